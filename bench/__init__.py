@@ -1,0 +1,1 @@
+"""Benchmarks: suites of frozen cases, a thin CLI, results as CSV/markdown/plots."""

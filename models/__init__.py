@@ -1,0 +1,1 @@
+"""Flax models of the Concerto evaluation (GPT, ViT, Evoformer, WideResNet), their parallel layouts and train steps."""
