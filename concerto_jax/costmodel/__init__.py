@@ -1,0 +1,25 @@
+"""Cost model: time of every instruction of a per-device program on a target GPU cluster.
+
+Pipeline: ``Cluster`` (GPUs, hosts, links; figures with sources, refined by the
+shipped XLA target config) -> per-instruction cost (``compute``: FLOPs and
+bytes against peak rates plus launch overhead; ``collectives``: alpha-beta per
+algorithm over the replica group's placement) -> overridden by measured times
+from a ``ProfileStore`` where present.
+"""
+
+from concerto_jax.costmodel.cluster import CLUSTERS, Cluster, get_cluster
+from concerto_jax.costmodel.collectives import (
+    COLLECTIVE_OPS,
+    CollectiveCost,
+    CollectiveOptions,
+    bus_factor,
+    collective_cost,
+    collective_time_us,
+)
+from concerto_jax.costmodel.specs import A100_SXM_80, A800_SXM_80, H100_PCIE, H100_SXM, GpuSpec, LinkSpec
+
+__all__ = [
+    "A100_SXM_80", "A800_SXM_80", "CLUSTERS", "COLLECTIVE_OPS", "Cluster", "CollectiveCost",
+    "CollectiveOptions", "GpuSpec", "H100_PCIE", "H100_SXM", "LinkSpec", "bus_factor",
+    "collective_cost", "collective_time_us", "get_cluster",
+]

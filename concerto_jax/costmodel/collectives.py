@@ -1,0 +1,170 @@
+"""Alpha-beta time of a collective over its replica group's placement.
+
+``time = base + steps * hop + bus_factor * bytes / bandwidth`` per algorithm
+(ring, tree) and NCCL protocol (LL, LL128, Simple); ``algorithm="auto"``
+takes the fastest, as NCCL's tuner does from its own cost table.
+
+* Bus factors (nccl-tests ``PERFORMANCE.md``): all-reduce ``2(n-1)/n``,
+  all-gather / reduce-scatter / all-to-all ``(n-1)/n``, collective-permute 1.
+  ``bytes`` is the per-device payload: operand size for all-reduce,
+  reduce-scatter, all-to-all and permute, result size for all-gather.
+* Steps of a ring: all-reduce ``2(n-1)``, others ``n-1``, permute 1. A tree
+  all-reduce (NCCL double binary tree) takes ``2((k-1) + log2 h)`` steps over
+  ``k`` ranks per host and ``h`` hosts and moves ``2 * bytes`` per rank
+  (NCCL's tree algbw ratio 0.5); trees only exist for all-reduce.
+* Bandwidth: a group on one host uses the host's GPU link (NVLink or PCIe).
+  A group spanning hosts is bottlenecked by ``min(intra, k * nic)``: every
+  ring channel crosses each host boundary once, and the ``k`` ranks of the
+  group on a host bring ``k`` NICs. Only the steps that cross a host
+  boundary pay the network's per-step latency (as in NCCL's model).
+  All-to-all splits its traffic into the on-host part over the GPU link and
+  the off-host part over the rank's own NIC.
+* ``link_efficiency`` is the achieved fraction of a link's peak (configured,
+  not measured: nccl-tests on 8x H100 SXM report about 360-370 GB/s all-reduce
+  busbw of 450, i.e. ~0.8).
+
+References: NCCL ``src/graph/tuning.cc`` (latencies, protocol model);
+nccl-tests ``doc/PERFORMANCE.md`` (bus bandwidth); Thakur et al., "Optimization
+of Collective Communication Operations in MPICH" (IJHPCA 2005).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from concerto_jax.costmodel import specs
+from concerto_jax.costmodel.cluster import Cluster
+
+COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_PROTOCOLS = ("LL", "LL128", "Simple")
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveOptions:
+    """How collectives are modelled.
+
+    Attributes:
+      algorithm: ``auto`` (fastest of ring/tree), ``ring`` or ``tree``.
+      protocols: NCCL protocols the tuner may pick from.
+      link_efficiency: achieved fraction of peak link bandwidth (configured, ~0.8 from nccl-tests).
+    """
+
+    algorithm: str = "auto"
+    protocols: tuple[str, ...] = _PROTOCOLS
+    link_efficiency: float = 0.8
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveCost:
+    """The chosen algorithm for one collective and its time."""
+
+    time_us: float
+    algorithm: str
+    protocol: str
+    bus_bytes_per_s: float
+    latency_us: float
+
+
+def bus_factor(op: str, n: int) -> float:
+    """Bytes a rank sends per payload byte for a bandwidth-optimal ``op`` over ``n`` ranks."""
+    if n <= 1:
+        return 0.0
+    if op == "all-reduce":
+        return 2.0 * (n - 1) / n
+    if op in ("all-gather", "reduce-scatter", "all-to-all"):
+        return (n - 1) / n
+    if op == "collective-permute":
+        return 1.0
+    raise ValueError(f"unknown collective {op!r}; expected one of {COLLECTIVE_OPS}")
+
+
+def _placement(group: Sequence[int], cluster: Cluster) -> tuple[int, int, int]:
+    """(ranks, hosts spanned, most ranks on one host) of a replica group."""
+    per_host: dict[int, int] = {}
+    for d in group:
+        h = cluster.host_of(int(d))
+        per_host[h] = per_host.get(h, 0) + 1
+    return len(group), len(per_host), max(per_host.values(), default=0)
+
+
+def collective_cost(
+    op: str,
+    nbytes: float,
+    group: Sequence[int],
+    cluster: Cluster,
+    options: CollectiveOptions = CollectiveOptions(),
+) -> CollectiveCost:
+    """Time of collective ``op`` moving ``nbytes`` per device over ``group`` on ``cluster``.
+
+    Args:
+      op: ``all-reduce``, ``all-gather``, ``reduce-scatter``, ``all-to-all`` or
+        ``collective-permute`` (for a permute pass one source-target pair).
+      nbytes: per-device payload (see the module docstring).
+      group: global device ids of one replica group.
+      cluster: the target cluster (placement of devices on hosts, links).
+      options: algorithm choice and link efficiency.
+
+    Returns:
+      The fastest (algorithm, protocol) allowed by ``options`` and its time.
+    """
+    n, hosts, k = _placement(group, cluster)
+    if n <= 1 or nbytes <= 0:
+        return CollectiveCost(0.0, "none", "none", 0.0, 0.0)
+    spans = hosts > 1
+    if spans and cluster.inter_link is None:
+        raise ValueError(f"group {list(group)} spans hosts but cluster {cluster.name!r} has no network")
+    intra = cluster.intra_link
+    link = cluster.inter_link if spans else intra
+    eff = options.link_efficiency
+    bw = intra.bytes_per_s if not spans else min(intra.bytes_per_s, k * cluster.inter_link.bytes_per_s)
+    bw *= eff
+    algorithms = ("ring", "tree") if options.algorithm == "auto" else (options.algorithm,)
+    if op != "all-reduce":
+        algorithms = ("ring",)
+    base = dict(specs.NCCL_BASE_LATENCY_US)
+    best: CollectiveCost | None = None
+    for algo in algorithms:
+        for p, proto in enumerate(_PROTOCOLS):
+            if proto not in options.protocols:
+                continue
+            frac = specs.NCCL_PROTOCOL_BW_FRACTION[p]
+            if algo == "ring":
+                steps = {"all-reduce": 2 * (n - 1), "collective-permute": 1}.get(op, n - 1)
+                # NCCL: only the steps that cross a host boundary pay the network latency.
+                inter_steps = 0
+                if spans:
+                    inter_steps = {"all-reduce": 2 * (hosts - 1), "collective-permute": 1}.get(op, hosts - 1)
+                latency = (base["ring"][p] + (steps - inter_steps) * intra.hop_us("ring")[p]
+                           + inter_steps * link.hop_us("ring")[p])
+                if op == "all-to-all" and spans:
+                    on_host = (k - 1) / n * nbytes / (intra.bytes_per_s * eff)
+                    off_host = (n - k) / n * nbytes / (cluster.inter_link.bytes_per_s * eff)
+                    transfer = max(on_host, off_host) / frac
+                else:
+                    transfer = bus_factor(op, n) * nbytes / (bw * frac)
+            elif algo == "tree":
+                if base["tree"][p] == 0.0 and proto == "Simple":
+                    base_lat = base["ring"][p]
+                else:
+                    base_lat = base["tree"][p]
+                hops = (k - 1) * intra.hop_us("tree")[p]
+                if spans:
+                    hops += math.log2(hosts) * cluster.inter_link.hop_us("tree")[p]
+                latency = base_lat + 2 * hops
+                transfer = 2.0 * nbytes / (bw * frac)
+            else:
+                raise ValueError(f"unknown algorithm {algo!r}; expected auto, ring or tree")
+            cost = CollectiveCost(latency + 1e6 * transfer, algo, proto, bw * frac, latency)
+            if best is None or cost.time_us < best.time_us:
+                best = cost
+    if best is None:
+        raise ValueError(f"no protocol allowed: {options.protocols}; expected a subset of {_PROTOCOLS}")
+    return best
+
+
+def collective_time_us(op: str, nbytes: float, group: Sequence[int], cluster: Cluster,
+                       options: CollectiveOptions = CollectiveOptions()) -> float:
+    """Shorthand for ``collective_cost(...).time_us``."""
+    return collective_cost(op, nbytes, group, cluster, options).time_us
