@@ -16,9 +16,23 @@ from concerto_jax.costmodel.collectives import (
     collective_cost,
     collective_time_us,
 )
+from concerto_jax.costmodel.compute import (
+    FREE_OPCODES,
+    ArrayInfo,
+    ComputeOptions,
+    OpInfo,
+    Work,
+    compute_time_us,
+    work_of,
+    work_time_us,
+)
+from concerto_jax.costmodel.model import DEFAULT_OVERLAP_SLOWDOWN, CostModel, CostOptions
+from concerto_jax.costmodel.profile_store import ProfileStore, signature
 from concerto_jax.costmodel.specs import A100_SXM_80, A800_SXM_80, H100_PCIE, H100_SXM, GpuSpec, LinkSpec
 
 __all__ = [
+    "ArrayInfo", "ComputeOptions", "CostModel", "CostOptions", "DEFAULT_OVERLAP_SLOWDOWN", "FREE_OPCODES",
+    "OpInfo", "ProfileStore", "Work", "compute_time_us", "signature", "work_of", "work_time_us",
     "A100_SXM_80", "A800_SXM_80", "CLUSTERS", "COLLECTIVE_OPS", "Cluster", "CollectiveCost",
     "CollectiveOptions", "GpuSpec", "H100_PCIE", "H100_SXM", "LinkSpec", "bus_factor",
     "collective_cost", "collective_time_us", "get_cluster",

@@ -23,12 +23,10 @@ import bisect
 import dataclasses
 from collections.abc import Sequence
 
+from concerto_jax.costmodel.model import DEFAULT_OVERLAP_SLOWDOWN
 from concerto_jax.simulator.result import SimResult, TaskTiming, summarize
 from concerto_jax.taskgraph import COMPUTE_STREAM, Event, Phase, TaskGraph, TaskGraphError
 
-DEFAULT_OVERLAP_SLOWDOWN = 1.1
-"""Compute slowdown while communication is in flight. Configured, not measured
-(the Concerto paper hard-codes 1.2); replace with a measured value when a GPU is lent."""
 
 
 @dataclasses.dataclass(frozen=True)

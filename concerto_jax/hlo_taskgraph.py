@@ -1,0 +1,214 @@
+"""HLO module (``hlo_passes`` IR) -> ``TaskGraph`` with costs, plus the module's own order as a schedule.
+
+This is the single bridge between the IR and the scheduling view: XLA's order
+(read from its scheduled module) and ours are judged on the graph built here.
+
+* An async pair (``all-reduce-start``/``-done``, ``all-gather-*``,
+  ``collective-permute-*``, generic ``async-start``/``async-done`` wrapping a
+  collective, ``send``/``recv``) becomes one collective task whose ``START``
+  and ``DONE`` events sit at the start's and the done's positions.
+* A synchronous collective becomes one collective task with ``START`` and
+  ``DONE`` adjacent.
+* Every other instruction is a compute task costed by ``CostModel.compute_us``
+  (fusions walk their fused computation). Pure aliases (``bitcast``,
+  ``get-tuple-element``, ``tuple``, ``opt-barrier``) are folded by default:
+  their users depend directly on the tasks they alias, so buffer lifetimes
+  (peak memory) follow the real buffers.
+* Dependencies come from operands and ``control-predecessors``.
+
+For an unscheduled module the text order is a valid order (operands are
+defined before use), so the same function gives program order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+from concerto_jax.costmodel.compute import ArrayInfo, OpInfo
+from concerto_jax.costmodel.model import CostModel
+from concerto_jax.taskgraph import CollectiveInfo, Event, Phase, Task, TaskGraph, TaskKind
+
+log = logging.getLogger(__name__)
+
+ALIAS_OPCODES = frozenset({"bitcast", "get-tuple-element", "tuple", "opt-barrier"})
+"""Opcodes that only alias their operands' buffers."""
+
+_SYNC_COLLECTIVES = frozenset({"all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                               "collective-permute", "collective-broadcast", "ragged-all-to-all"})
+
+
+@dataclasses.dataclass(frozen=True)
+class HloTaskGraph:
+    """A task graph built from an HLO module.
+
+    Attributes:
+      graph: the tasks (costed) and dependencies.
+      events: the module's own order of the entry computation as a schedule.
+      task_of: instruction name -> task index (both members of an async pair map
+        to their task; folded aliases are absent).
+      aliases: folded instruction name -> the task indices it aliases.
+      module_name: the module's name.
+    """
+
+    graph: TaskGraph
+    events: list[Event]
+    task_of: dict[str, int]
+    aliases: dict[str, tuple[int, ...]]
+    module_name: str = ""
+
+
+def _leaves(shape) -> tuple[ArrayInfo, ...]:
+    if shape.is_tuple:
+        return tuple(a for e in shape.elements for a in _leaves(e))
+    if shape.dtype in ("token", "opaque"):
+        return ()
+    return (ArrayInfo(shape.dtype, tuple(max(d, 0) for d in shape.dims)),)
+
+
+def op_info(inst, _cache: dict | None = None) -> OpInfo:
+    """The cost model's view (``OpInfo``) of an ``hlo_passes`` instruction, called computations included."""
+    cache = {} if _cache is None else _cache
+    called: dict[str, tuple[OpInfo, ...]] = {}
+    for key, value in inst.attrs.items():
+        comps = value if isinstance(value, list) else [value]
+        if comps and all(hasattr(c, "instructions") for c in comps):
+            called[key] = tuple(o for c in comps for o in _computation_infos(c, cache))
+    attrs = {k: v for k, v in inst.attrs.items() if isinstance(v, str)}
+    if inst.custom_call_target is not None:
+        attrs["custom_call_target"] = inst.custom_call_target
+    return OpInfo(
+        name=inst.name, opcode=inst.opcode, result=_leaves(inst.shape),
+        operands=tuple(_leaves(o.shape) for o in inst.operands), attrs=attrs, called=called,
+        parameter_number=-1 if inst.parameter_number is None else inst.parameter_number,
+    )
+
+
+def _computation_infos(comp, cache: dict) -> tuple[OpInfo, ...]:
+    if comp.name in cache:
+        return cache[comp.name]
+    index = {inst.name: i for i, inst in enumerate(comp.instructions)}
+    out = []
+    for inst in comp.instructions:
+        info = op_info(inst, cache)
+        out.append(dataclasses.replace(info, operand_ids=tuple(index[o.name] for o in inst.operands)))
+    cache[comp.name] = tuple(out)
+    return cache[comp.name]
+
+
+def _collective_of(inst):
+    """The instruction carrying the collective's attributes (the wrapped one for generic async)."""
+    if inst.opcode.startswith("async-"):
+        return inst.async_wrapped or inst
+    return inst
+
+
+def _payload_bytes(kind: str, start, done) -> int:
+    if kind == "all-gather":
+        leaves = _leaves(done.shape)
+        return leaves[-1].bytes if leaves else 0
+    coll = _collective_of(start)
+    return sum(a.bytes for o in coll.operands for a in _leaves(o.shape))
+
+
+def _groups(coll, num_devices: int) -> list[list[int]]:
+    pairs = coll.source_target_pairs
+    if pairs is not None:
+        return [list(p) for p in pairs] or [[0]]
+    groups = coll.replica_groups
+    return groups if groups else [list(range(num_devices))]
+
+
+def default_stream(kind: str) -> int:
+    """All collectives on communication stream 1 (XLA:GPU issues async collectives on one stream)."""
+    return 1
+
+
+def build_taskgraph(module, cost_model: CostModel, *, fold_aliases: bool = True,
+                    stream_of: Callable[[str], int] = default_stream) -> HloTaskGraph:
+    """Build the costed task graph of ``module``'s entry computation and its order.
+
+    Args:
+      module: an ``hlo_passes`` ``HloModule`` (scheduled or not).
+      cost_model: gives compute and collective times on the target.
+      fold_aliases: fold ``ALIAS_OPCODES`` into their users' dependencies.
+      stream_of: communication stream (>= 1) of a collective kind.
+
+    Returns:
+      An ``HloTaskGraph``; ``events`` is the entry computation's order.
+    """
+    entry = module.entry
+    num_devices = module.num_devices
+    tasks: list[Task] = []
+    preds: list[set[int]] = []
+    events: list[Event] = []
+    task_of: dict[str, int] = {}
+    aliases: dict[str, tuple[int, ...]] = {}
+    cache: dict = {}
+
+    def sources(inst) -> set[int]:
+        if inst.name in task_of:
+            return {task_of[inst.name]}
+        return set(aliases.get(inst.name, ()))
+
+    def deps(inst) -> set[int]:
+        out: set[int] = set()
+        for o in list(inst.operands) + list(inst.control_predecessors):
+            out |= sources(o)
+        return out
+
+    def add(task: Task, dep: set[int]) -> int:
+        tasks.append(task)
+        preds.append(dep)
+        return len(tasks) - 1
+
+    for inst in entry.instructions:
+        role = inst.async_role
+        kind = inst.collective_kind
+        if fold_aliases and inst.opcode in ALIAS_OPCODES:
+            aliases[inst.name] = tuple(sorted(deps(inst)))
+            continue
+        if kind is not None and role in ("done", "update"):
+            start = inst.async_start()
+            i = task_of[start.name]
+            task_of[inst.name] = i
+            if role == "done":
+                tasks[i] = _costed_collective(tasks[i], kind, start, inst, cost_model, num_devices)
+                preds[i] |= deps(inst) - {i}
+                events.append(Event(i, Phase.DONE))
+            continue
+        if kind is not None and (role == "start" or inst.opcode in _SYNC_COLLECTIVES):
+            placeholder = Task(inst.name, TaskKind.COLLECTIVE, 0.0, stream=stream_of(kind),
+                               opcode=inst.opcode, collective=CollectiveInfo(kind, 0, 1))
+            i = add(placeholder, deps(inst))
+            task_of[inst.name] = i
+            events.append(Event(i, Phase.START))
+            if role is None:  # synchronous collective
+                tasks[i] = _costed_collective(tasks[i], kind, inst, inst, cost_model, num_devices)
+                events.append(Event(i, Phase.DONE))
+            continue
+        info = op_info(inst, cache)
+        out_bytes = 0 if inst.opcode in ALIAS_OPCODES else info.result_bytes
+        i = add(Task(inst.name, TaskKind.COMPUTE, cost_model.compute_us(info), out_bytes=out_bytes,
+                     opcode=inst.opcode), deps(inst))
+        task_of[inst.name] = i
+        events.append(Event(i, Phase.RUN))
+    graph = TaskGraph(tasks, preds)
+    graph.validate()
+    graph.check_schedule(events)
+    log.debug("built %r from module %s", graph, module.name)
+    return HloTaskGraph(graph, events, task_of, aliases, module.name)
+
+
+def _costed_collective(task: Task, kind: str, start, done, cost_model: CostModel, num_devices: int) -> Task:
+    coll = _collective_of(start)
+    groups = _groups(coll, num_devices)
+    nbytes = _payload_bytes(kind, start, done)
+    cost = cost_model.collective(kind, nbytes, groups)
+    hosts = {cost_model.cluster.host_of(d) for g in groups[:1] for d in g if d < cost_model.cluster.num_devices}
+    key = (tuple(tuple(g) for g in groups), coll.attrs.get("to_apply").name if hasattr(coll.attrs.get("to_apply"), "name") else "",
+           _leaves(done.shape)[-1].dtype if _leaves(done.shape) else "")
+    info = CollectiveInfo(kind, nbytes, max((len(g) for g in groups), default=1), key, len(hosts) > 1)
+    out_bytes = sum(a.bytes for a in _leaves(done.shape))
+    return dataclasses.replace(task, duration_us=cost.time_us, collective=info, out_bytes=out_bytes)
