@@ -1,1 +1,61 @@
-"""HLO IR for concerto_jax: parse per-device HLO text into a graph IR, verify it, print it back."""
+"""HLO IR for concerto_jax: parse per-device HLO text into a graph IR, verify it, print it back.
+
+Pipeline position::
+
+    HLO text (post-SPMD, or XLA's scheduled GPU module)
+      | parse_module        text -> HloModule (parser.py; HloParseError names the line)
+      | verify              IR invariants (verifier.py; HloVerifyError shows the instruction)
+      | passes              rewrite the IR through the mutation helpers (ir.py)
+      | module_to_text      IR -> text that XLA's parser accepts (printer.py)
+      v
+    xla_canonical(text)     XLA's own parse + print: the reference for equality (xla.py)
+
+Public API (stable; other packages build on it):
+
+* ``parse_module(text, source="<hlo>") -> HloModule``
+* ``module_to_text(module) -> str`` (also ``str(module)``),
+  ``computation_to_text(comp)``, ``instruction_to_text(inst)`` (also ``repr(inst)``)
+* ``verify(module) -> HloModule`` (raises ``HloVerifyError``)
+* ``xla_canonical(text) -> str``, ``xla_parse(text)`` (jaxlib ``HloModule``)
+* ``HloModule``: ``name``, ``attrs`` (header, raw text), ``sections`` (verbatim
+  FileNames/.../StackFrames), ``computations``, ``entry``, ``computation(name)``,
+  ``instructions()``, ``num_partitions``, ``replica_count``, ``num_devices``,
+  ``is_scheduled``, ``add_computation``, ``remove_computation``, ``unique_name(base)``
+* ``Computation``: ``name``, ``instructions`` (order = schedule), ``root``,
+  ``is_entry``, ``parameters``, ``instruction(name)``, ``post_order()``,
+  ``add_instruction(inst, before=|after=)``, ``remove_instruction``,
+  ``replace_all_uses(old, new)``, ``replace_instruction(old, new)``,
+  ``rename(inst, name)``, ``set_order(instructions)``
+* ``Instruction(name, opcode, shape, operands=(), attrs=None)``: ``operands``,
+  ``users``, ``attrs`` (ordered raw text; computations/instructions for references),
+  ``attr(key)``, ``set_attr(key, value)``, ``replace_operand(old|index, new)``,
+  ``set_operands``, ``control_predecessors``, ``add_control_predecessor``,
+  ``called_computations``, ``to_apply``, ``channel_id``, ``dimensions``,
+  ``use_global_device_ids``, ``tuple_index``, ``replica_groups`` (expanded from
+  list/iota/mesh forms; settable), ``source_target_pairs``, ``custom_call_target``,
+  ``metadata``/``sharding``/``backend_config``/``frontend_attributes`` (raw),
+  ``literal`` (constants), ``parameter_number``, ``is_collective``,
+  ``collective_kind``, ``async_role``, ``async_start()``, ``async_wrapped``
+* ``Shape`` (``dtype``, ``dims``, ``layout``, ``elements``, ``is_tuple``,
+  ``byte_size``, ``without_layout()``), ``parse_shape(text)``
+* ``parse_replica_groups(text)``, ``format_replica_groups(groups)``
+* ``partition_id_to_replica_id(module)``
+* errors: ``HloError``, ``HloParseError``, ``HloVerifyError``
+"""
+
+from hlo_passes.errors import HloError, HloParseError, HloVerifyError
+from hlo_passes.ir import Computation, HloModule, Instruction
+from hlo_passes.parser import parse_module
+from hlo_passes.printer import computation_to_text, instruction_to_text, module_to_text
+from hlo_passes.replica_groups import format_replica_groups, parse_replica_groups
+from hlo_passes.rewrites import partition_id_to_replica_id
+from hlo_passes.shapes import Shape, parse_shape
+from hlo_passes.verifier import verify
+from hlo_passes.xla import xla_canonical, xla_parse
+
+__all__ = [
+    "Computation", "HloError", "HloModule", "HloParseError", "HloVerifyError",
+    "Instruction", "Shape", "computation_to_text", "format_replica_groups",
+    "instruction_to_text", "module_to_text", "parse_module", "parse_replica_groups",
+    "parse_shape", "partition_id_to_replica_id", "verify", "xla_canonical", "xla_parse",
+]
