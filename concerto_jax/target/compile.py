@@ -1,0 +1,183 @@
+"""Compile a jitted step for a target GPU cluster on a machine without a GPU (deviceless).
+
+Recipe (checked with jax/jaxlib 0.10.2, ``DESIGN.md`` section 5): the CUDA PJRT
+plugin describes a topology from a shipped ``GpuTargetConfigProto``
+(``concerto_jax/targets/*.txtpb``); a mesh over that topology's devices
+gives shardings; ``jit(...).trace(*abstract).lower().compile(options)`` runs
+XLA's GPU compiler (ptxas from ``nvidia-cuda-nvcc``) and ``as_text()`` is the
+final scheduled module. The run must have ``JAX_PLATFORMS=cpu`` (set by the
+caller before JAX starts; this module reads no environment).
+
+Variants: stock (latency hiding scheduler on), with a PGLE profile written
+from our cost model (``pgle.write_profile``; XLA's LHS then uses our costs),
+and with windowed einsum (``xla_gpu_threshold_for_windowed_einsum_mib``). The
+modules just before and after LHS come from an ``xla_dump_to`` dump.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import glob
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+
+from concerto_jax.costmodel.cluster import Cluster
+
+log = logging.getLogger(__name__)
+
+
+class GpuPluginMissingError(ImportError):
+    """The CUDA PJRT plugin (deviceless GPU compile) is not installed."""
+
+
+def require_gpu_plugin() -> None:
+    """Raise ``GpuPluginMissingError`` unless the CUDA plugin can be imported.
+
+    Raises:
+      GpuPluginMissingError: with the command that installs it.
+    """
+    try:
+        import jax_plugins.xla_cuda13  # noqa: F401
+    except ImportError as e:
+        raise GpuPluginMissingError(
+            "deviceless GPU compile needs the CUDA PJRT plugin, ptxas and libdevice: "
+            "install them with `pip install -e .[gpu]` (jax-cuda13-plugin, jax-cuda13-pjrt, "
+            "nvidia-cuda-nvcc, nvidia-nvvm at the jax version)"
+        ) from e
+
+
+def gpu_plugin_available() -> bool:
+    """Whether ``require_gpu_plugin`` would pass."""
+    try:
+        require_gpu_plugin()
+    except GpuPluginMissingError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def topology(cluster: Cluster):
+    """The deviceless ``TopologyDescription`` of ``cluster`` (devices 0..n-1, host-major)."""
+    require_gpu_plugin()
+    from jax.experimental import topologies
+
+    return topologies.get_topology_desc(
+        platform="cuda", topology_name=cluster.topology_name, topology=cluster.topology,
+        target_config=cluster.target_config_text())
+
+
+def target_mesh(cluster: Cluster, shape: Sequence[int], axis_names: Sequence[str]):
+    """An Auto-axes ``Mesh`` of ``cluster``'s deviceless devices (row-major: the last axis is innermost)."""
+    import numpy as np
+    from jax.sharding import AxisType, Mesh
+
+    devices = sorted(topology(cluster).devices, key=lambda d: d.id)
+    if int(np.prod(shape)) != len(devices):
+        raise ValueError(f"mesh shape {tuple(shape)} has {int(np.prod(shape))} devices; "
+                         f"cluster {cluster.name!r} has {len(devices)}")
+    return Mesh(np.array(devices).reshape(tuple(shape)), tuple(axis_names),
+                axis_types=(AxisType.Auto,) * len(shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileOptions:
+    """One compile variant.
+
+    Attributes:
+      pgle_profile: path of a ``ProfiledInstructionsProto`` text file (see ``pgle``)
+        for XLA's latency hiding scheduler; None for stock.
+      windowed_einsum_mib: enable windowed einsum (collective matmul) for
+        operands above this size in MiB; None leaves it off (XLA default).
+      dump_lhs: also return the modules just before and after the latency hiding scheduler.
+      extra: more XLA options (values must be Python bools where boolean).
+    """
+
+    pgle_profile: str | None = None
+    windowed_einsum_mib: float | None = None
+    dump_lhs: bool = True
+    extra: tuple[tuple[str, object], ...] = ()
+
+    def compiler_options(self, dump_dir: str | None) -> dict[str, object]:
+        opts: dict[str, object] = dict(self.extra)
+        if self.pgle_profile is not None:
+            opts["xla_gpu_pgle_profile_file_or_directory_path"] = os.fspath(self.pgle_profile)
+        if self.windowed_einsum_mib is not None:
+            opts["xla_gpu_threshold_for_windowed_einsum_mib"] = int(self.windowed_einsum_mib)
+        if dump_dir is not None:
+            opts["xla_dump_to"] = dump_dir
+            opts["xla_dump_hlo_pass_re"] = "latency-hiding-scheduler"
+        return opts
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetCompile:
+    """Result of a deviceless compile.
+
+    Attributes:
+      cluster: the target.
+      final_text: XLA's final scheduled module (``compiled.as_text()``).
+      before_lhs_text: the module the latency hiding scheduler received (None if not dumped).
+      after_lhs_text: the module right after it.
+      compile_s: wall time of ``compile``.
+      options: the XLA options used.
+    """
+
+    cluster: Cluster
+    final_text: str
+    before_lhs_text: str | None
+    after_lhs_text: str | None
+    compile_s: float
+    options: dict[str, object]
+
+
+def _read_dump(dump_dir: str, marker: str) -> str | None:
+    files = sorted(f for f in glob.glob(os.path.join(dump_dir, "*.txt")) if marker in os.path.basename(f))
+    if not files:
+        return None
+    with open(files[-1]) as f:
+        return f.read()
+
+
+def compile_lowered(lowered, cluster: Cluster, options: CompileOptions = CompileOptions()) -> TargetCompile:
+    """Compile a ``jax.stages.Lowered`` (traced on a mesh of ``target_mesh``) for ``cluster``.
+
+    Args:
+      lowered: ``jax.jit(f, in_shardings=...).trace(*abstract).lower()``.
+      cluster: the target cluster (only used for the record; the mesh fixes the target).
+      options: the compile variant.
+
+    Returns:
+      A ``TargetCompile`` with XLA's final module and, if asked, the LHS before/after pair.
+    """
+    require_gpu_plugin()
+    with tempfile.TemporaryDirectory(prefix="concerto_lhs_") as d:
+        opts = options.compiler_options(d if options.dump_lhs else None)
+        t0 = time.perf_counter()
+        compiled = lowered.compile(compiler_options=opts)
+        dt = time.perf_counter() - t0
+        before = _read_dump(d, "before_latency-hiding-scheduler") if options.dump_lhs else None
+        after = _read_dump(d, "after_latency-hiding-scheduler") if options.dump_lhs else None
+    opts.pop("xla_dump_to", None)
+    log.info("compiled for %s in %.1fs (options %s)", cluster.name, dt, opts)
+    return TargetCompile(cluster, compiled.as_text(), before, after, dt, opts)
+
+
+def compile_for_target(fn, abstract_args: Sequence, cluster: Cluster, *, in_shardings=None,
+                       out_shardings=None, options: CompileOptions = CompileOptions()) -> TargetCompile:
+    """``jax.jit(fn, in_shardings, out_shardings)`` traced on ``abstract_args`` and compiled for ``cluster``.
+
+    The shardings must be over a mesh from ``target_mesh(cluster, ...)``.
+    """
+    import jax
+
+    kwargs = {}
+    if in_shardings is not None:
+        kwargs["in_shardings"] = in_shardings
+    if out_shardings is not None:
+        kwargs["out_shardings"] = out_shardings
+    lowered = jax.jit(fn, **kwargs).trace(*abstract_args).lower()
+    return compile_lowered(lowered, cluster, options)

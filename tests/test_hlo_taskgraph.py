@@ -1,0 +1,97 @@
+"""HLO module -> TaskGraph: async pairs, synchronous collectives, fusion costs, aliases, control edges."""
+
+import pytest
+
+from concerto_jax.costmodel import CostModel, CostOptions, get_cluster
+from concerto_jax.costmodel.compute import ComputeOptions
+from concerto_jax.hlo_taskgraph import build_taskgraph
+from concerto_jax.simulator import SimOptions, order_of, simulate, simulate_synchronous
+from concerto_jax.taskgraph import Phase
+
+hlo_passes = pytest.importorskip("hlo_passes.parser")
+
+MODULE = """
+HloModule m, is_scheduled=true, num_partitions=8
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%fused_dot (p0: bf16[1024,1024], p1: bf16[1024,1024]) -> bf16[1024,1024] {
+  %p0 = bf16[1024,1024]{1,0} parameter(0)
+  %p1 = bf16[1024,1024]{1,0} parameter(1)
+  ROOT %d = bf16[1024,1024]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_exp (q0: f32[1024,1024]) -> f32[1024,1024] {
+  %q0 = f32[1024,1024]{1,0} parameter(0)
+  ROOT %e = f32[1024,1024]{1,0} exponential(%q0)
+}
+
+ENTRY %main (a: bf16[1024,1024], b: bf16[1024,1024], c: f32[1024,1024]) -> (bf16[1024,1024], f32[1024,1024], f32[8192,1024]) {
+  %a = bf16[1024,1024]{1,0} parameter(0)
+  %b = bf16[1024,1024]{1,0} parameter(1)
+  %c = f32[1024,1024]{1,0} parameter(2)
+  %mm = bf16[1024,1024]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_dot
+  %ars = bf16[1024,1024]{1,0} all-reduce-start(%mm), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%add
+  %ex = f32[1024,1024]{1,0} fusion(%c), kind=kLoop, calls=%fused_exp
+  %ard = bf16[1024,1024]{1,0} all-reduce-done(%ars)
+  %bc = f32[1024,1024]{1,0} bitcast(%ex)
+  %ag = f32[8192,1024]{1,0} all-gather(%bc), channel_id=2, replica_groups=[1,8]<=[8], dimensions={0}, use_global_device_ids=true, control-predecessors={%ard}
+  ROOT %t = (bf16[1024,1024]{1,0}, f32[1024,1024]{1,0}, f32[8192,1024]{1,0}) tuple(%ard, %ex, %ag)
+}
+"""
+
+OPTS = CostOptions(compute=ComputeOptions(matmul_efficiency=1.0, memory_efficiency=1.0, launch_overhead_us=0.0))
+
+
+@pytest.fixture
+def built():
+    module = hlo_passes.parse_module(MODULE)
+    return build_taskgraph(module, CostModel(get_cluster("h100_sxm_8"), OPTS))
+
+
+def test_tasks_and_events(built):
+    g = built.graph
+    names = [t.name for t in g.tasks]
+    assert names == ["a", "b", "c", "mm", "ars", "ex", "ag"]  # bitcast and tuple folded
+    assert built.task_of["ard"] == built.task_of["ars"]
+    phases = [(g.tasks[e.task].name, e.phase) for e in built.events]
+    assert phases == [("a", Phase.RUN), ("b", Phase.RUN), ("c", Phase.RUN), ("mm", Phase.RUN),
+                      ("ars", Phase.START), ("ex", Phase.RUN), ("ars", Phase.DONE),
+                      ("ag", Phase.START), ("ag", Phase.DONE)]
+
+
+def test_dependencies_through_aliases_and_control(built):
+    g, idx = built.graph, built.graph.index
+    assert set(g.preds[idx("ag")]) == {idx("ex"), idx("ars")}  # via bitcast, and control-predecessor
+    assert g.preds[idx("ars")] == (idx("mm"),)
+
+
+def test_costs(built):
+    g, idx = built.graph, built.graph.index
+    gpu = get_cluster("h100_sxm_8").gpu_spec
+    dot_flops = 2 * 1024**3
+    dot_bytes = 3 * 1024 * 1024 * 2
+    expected = 1e6 * max(dot_flops / gpu.matmul_flops_per_s("bf16"), dot_bytes / gpu.hbm_bytes_per_s)
+    assert g.tasks[idx("mm")].duration_us == pytest.approx(expected)
+    exp_bytes = 2 * 1024 * 1024 * 4
+    assert g.tasks[idx("ex")].duration_us == pytest.approx(1e6 * exp_bytes / gpu.hbm_bytes_per_s)
+    ars = g.tasks[idx("ars")]
+    assert ars.collective.op == "all-reduce" and ars.collective.bytes == 2 * 1024 * 1024
+    assert ars.collective.group_size == 8
+    ag = g.tasks[idx("ag")]
+    assert ag.collective.op == "all-gather" and ag.collective.bytes == 8192 * 1024 * 4
+    assert g.tasks[idx("a")].duration_us == 0
+
+
+def test_simulated_overlap(built):
+    g = built.graph
+    r = simulate(g, built.events, SimOptions(overlap_slowdown=1.0))
+    s = simulate_synchronous(g, order_of(built.events), SimOptions(overlap_slowdown=1.0))
+    ex = g.tasks[g.index("ex")].duration_us
+    ar = g.tasks[g.index("ars")].duration_us
+    assert s.step_time_us - r.step_time_us == pytest.approx(min(ex, ar))
+    assert r.overlap_pct > 0 and s.overlap_pct == 0

@@ -1,0 +1,85 @@
+"""Deviceless GPU compile for target clusters (skipped without the CUDA plugin) and PGLE profiles."""
+
+import sys
+
+import pytest
+
+from concerto_jax.target import (
+    CLUSTERS,
+    CompileOptions,
+    GpuPluginMissingError,
+    compile_for_target,
+    gpu_plugin_available,
+    profile_text,
+    require_gpu_plugin,
+    target_mesh,
+    write_profile,
+)
+
+needs_plugin = pytest.mark.skipif(not gpu_plugin_available(),
+                                  reason="CUDA PJRT plugin missing: pip install -e .[gpu]")
+
+
+def test_clusters_registry():
+    assert {"h100_sxm_8", "h100_sxm_2x8", "h100_pcie_8", "a100_80_8"} <= set(CLUSTERS)
+    two = CLUSTERS["h100_sxm_2x8"]
+    assert two.topology == "1x2x8" and two.num_devices == 16
+    assert two.host_of(7) == 0 and two.host_of(8) == 1
+    assert "gpu_device_info" in CLUSTERS["a100_80_8"].target_config_text()
+
+
+def test_missing_plugin_message(monkeypatch):
+    monkeypatch.setitem(sys.modules, "jax_plugins.xla_cuda13", None)
+    with pytest.raises(GpuPluginMissingError, match=r"pip install -e \.\[gpu\]"):
+        require_gpu_plugin()
+
+
+def test_pgle_profile_text(tmp_path):
+    text = profile_text({"fusion.1": 12.5, 'we"ird': 1})
+    assert 'costs { name: "fusion.1" cost_us: 12.5000 }' in text
+    assert r'name: "we\"ird"' in text
+    assert open(write_profile(tmp_path / "p.pbtxt", {"a": 1.0})).read().startswith("costs")
+
+
+def _mlp_case(cluster):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = target_mesh(cluster, (2, 4), ("dp", "tp"))
+
+    def loss(w1, w2, x):
+        return jnp.mean((jnp.tanh(x @ w1) @ w2) ** 2)
+
+    args = [jax.ShapeDtypeStruct((512, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((2048, 512), jnp.bfloat16),
+            jax.ShapeDtypeStruct((256, 512), jnp.bfloat16)]
+    shardings = [NamedSharding(mesh, P(None, "tp")), NamedSharding(mesh, P("tp", None)),
+                 NamedSharding(mesh, P("dp", None))]
+    return jax.grad(loss, argnums=(0, 1)), args, shardings
+
+
+@needs_plugin
+def test_stock_compile_with_lhs_dumps():
+    cluster = CLUSTERS["h100_sxm_8"]
+    fn, args, sh = _mlp_case(cluster)
+    tc = compile_for_target(fn, args, cluster, in_shardings=sh)
+    assert "is_scheduled=true" in tc.final_text and "all-reduce-start" in tc.final_text
+    assert tc.before_lhs_text is not None and "all-reduce-start" in tc.before_lhs_text
+    assert tc.after_lhs_text is not None
+
+
+@needs_plugin
+def test_pgle_and_windowed_einsum_variants(tmp_path):
+    cluster = CLUSTERS["a100_80_8"]
+    fn, args, sh = _mlp_case(cluster)
+    stock = compile_for_target(fn, args, cluster, in_shardings=sh, options=CompileOptions(dump_lhs=False))
+    profile = write_profile(tmp_path / "p.pbtxt", {"all-reduce-start": 500.0})
+    pgle = compile_for_target(fn, args, cluster, in_shardings=sh,
+                              options=CompileOptions(pgle_profile=profile, dump_lhs=False))
+    assert pgle.options["xla_gpu_pgle_profile_file_or_directory_path"] == profile
+    assert "is_scheduled=true" in pgle.final_text
+    we = compile_for_target(fn, args, cluster, in_shardings=sh,
+                            options=CompileOptions(windowed_einsum_mib=0, dump_lhs=False))
+    assert we.options["xla_gpu_threshold_for_windowed_einsum_mib"] == 0
+    assert "is_scheduled=true" in we.final_text and stock.before_lhs_text is None
