@@ -1,0 +1,268 @@
+"""Baseline: stock XLA's GPU schedule of each suite case, simulated with our cost model.
+
+For each case: build the train step on a deviceless mesh of the target
+cluster, compile it with XLA's GPU compiler (LHS on), parse XLA's final
+scheduled module, build the costed task graph and simulate
+
+* ``xla``: XLA's own order (async collectives where XLA made them async);
+* ``sync``: the same graph in the same order with every collective
+  synchronous (program order, no overlap);
+* ``pre_lhs``: the order of the module LHS received (memory scheduler order),
+  async pairs as they are there;
+* optionally ``pgle``: XLA recompiled with a PGLE profile written from our
+  cost model (so LHS plans with our costs), simulated likewise;
+
+and the lower bound ``max(total compute, total communication, critical path)``.
+Every number in the tables is computed by the run that writes them.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+
+from bench.suite import BenchCase
+
+log = logging.getLogger(__name__)
+
+COLUMNS = ("case", "status", "model", "layout", "cluster", "mesh", "tasks", "collectives", "compile_s",
+           "xla_step_us", "sync_step_us", "pre_lhs_step_us", "pgle_step_us", "lower_bound_us",
+           "critical_path_us", "total_compute_us", "total_comm_us", "xla_exposed_comm_us",
+           "xla_exposed_comm_pct", "xla_overlap_pct", "xla_speedup_vs_sync", "xla_gap_to_bound_pct",
+           "xla_peak_mem_mib", "overlap_slowdown", "note")
+
+
+@dataclasses.dataclass(frozen=True)
+class BaselineOptions:
+    """How the baseline runs.
+
+    Attributes:
+      out_dir: where CSV, markdown, trace and Gantt go.
+      pgle: also compile with a PGLE profile from our cost model and simulate it.
+      trace_case: case whose XLA schedule is exported as Perfetto trace + Gantt PNG (None: first run).
+      prefix: file-name prefix of the results.
+    """
+
+    out_dir: str = "bench/results"
+    pgle: bool = False
+    trace_case: str | None = None
+    prefix: str = "baseline"
+
+
+def _config(spec, case: BenchCase):
+    import jax.numpy as jnp
+
+    name = case.config or next(k for k in spec.presets if k != "tiny")
+    cfg = spec.config(name)
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    repl = {k: v for k, v in case.overrides if k in fields}
+    if case.dtype is not None and "dtype" in fields:
+        repl["dtype"] = getattr(jnp, case.dtype)
+    return name, dataclasses.replace(cfg, **repl)
+
+
+def _simulate_text(text: str, cost_model):
+    from concerto_jax.hlo_taskgraph import build_taskgraph
+    from concerto_jax.simulator import SimOptions, simulate
+    from hlo_passes.parser import parse_module
+
+    built = build_taskgraph(parse_module(text), cost_model)
+    opts = SimOptions(overlap_slowdown=cost_model.options.overlap_slowdown)
+    return built, simulate(built.graph, built.events, opts)
+
+
+def run_case(case: BenchCase, options: BaselineOptions, *, export_trace: bool = False) -> dict:
+    """Compile, build, simulate one case; returns a row of ``COLUMNS``."""
+    from concerto_jax.costmodel import CostModel, get_cluster
+    from concerto_jax.simulator import (SimOptions, lower_bounds, order_of, simulate_synchronous,
+                                        write_chrome_trace, write_gantt)
+    from concerto_jax.target import CompileOptions, compile_lowered, costs_from_graph, topology, write_profile
+    from models.layouts import make_mesh
+    from models.registry import MODELS, make_case
+
+    row = dict.fromkeys(COLUMNS, "")
+    row.update(case=case.name, model=case.model, layout=case.layout, cluster=case.cluster,
+               mesh="x".join(map(str, case.mesh_shape)), note=case.note)
+    if case.model not in MODELS:
+        row["status"] = f"skipped: model {case.model!r} not registered in models"
+        log.warning("%s: %s", case.name, row["status"])
+        return row
+    cluster = get_cluster(case.cluster)
+    cost_model = CostModel(cluster)
+    devices = sorted(topology(cluster).devices, key=lambda d: d.id)
+    mesh = make_mesh(case.layout, case.mesh_shape, devices=devices)
+    preset, cfg = _config(MODELS[case.model], case)
+    lowered = make_case(case.model, case.layout, cfg, mesh=mesh).lower()
+    tc = compile_lowered(lowered, cluster, CompileOptions(dump_lhs=True))
+    built, xla = _simulate_text(tc.final_text, cost_model)
+    g = built.graph
+    sim_opts = SimOptions(overlap_slowdown=cost_model.options.overlap_slowdown)
+    sync = simulate_synchronous(g, order_of(built.events), sim_opts)
+    lb = lower_bounds(g)
+    pre = _simulate_text(tc.before_lhs_text, cost_model)[1] if tc.before_lhs_text else None
+    pgle_step = ""
+    if options.pgle and tc.before_lhs_text:
+        pre_built = _simulate_text(tc.before_lhs_text, cost_model)[0]
+        with tempfile.TemporaryDirectory() as d:
+            path = write_profile(os.path.join(d, "profile.pbtxt"), costs_from_graph(pre_built.graph))
+            tp = compile_lowered(lowered, cluster, CompileOptions(pgle_profile=path, dump_lhs=False))
+        pgle_step = round(_simulate_text(tp.final_text, cost_model)[1].step_time_us, 1)
+    row.update(
+        status=f"ok ({preset}, {', '.join(f'{k}={v}' for k, v in case.overrides if hasattr(cfg, k))})",
+        tasks=len(g), collectives=sum(t.is_collective for t in g.tasks), compile_s=round(tc.compile_s, 1),
+        xla_step_us=round(xla.step_time_us, 1), sync_step_us=round(sync.step_time_us, 1),
+        pre_lhs_step_us=round(pre.step_time_us, 1) if pre else "", pgle_step_us=pgle_step,
+        lower_bound_us=round(lb.bound_us, 1), critical_path_us=round(lb.critical_path_us, 1),
+        total_compute_us=round(lb.total_compute_us, 1), total_comm_us=round(lb.total_comm_us, 1),
+        xla_exposed_comm_us=round(xla.exposed_comm_us, 1), xla_exposed_comm_pct=round(xla.exposed_comm_pct, 1),
+        xla_overlap_pct=round(xla.overlap_pct, 1),
+        xla_speedup_vs_sync=round(sync.step_time_us / xla.step_time_us, 3) if xla.step_time_us else "",
+        xla_gap_to_bound_pct=round(100 * (xla.step_time_us / lb.bound_us - 1), 1) if lb.bound_us else "",
+        xla_peak_mem_mib=round(xla.peak_memory_bytes / 2**20, 1),
+        overlap_slowdown=cost_model.options.overlap_slowdown,
+    )
+    if export_trace:
+        base = os.path.join(options.out_dir, f"{options.prefix}_{case.name}")
+        meta = {"case": case.name, "cluster": cluster.name, "order": "xla final"}
+        write_chrome_trace(base + ".trace.json", xla, g, process_name=f"{case.name} (XLA order)", metadata=meta)
+        write_gantt(base + ".gantt.png", xla, g, title=f"{case.name}: XLA order")
+    return row
+
+
+def _markdown(rows: Sequence[dict], cost_desc: dict, elapsed: float) -> str:
+    cols = ("case", "cluster", "mesh", "tasks", "collectives", "xla_step_us", "sync_step_us", "pre_lhs_step_us",
+            "pgle_step_us", "lower_bound_us", "xla_exposed_comm_pct", "xla_overlap_pct", "xla_speedup_vs_sync",
+            "xla_gap_to_bound_pct")
+    out = ["# Baseline: stock XLA schedule vs program order vs lower bound (simulated)", "",
+           "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        if not str(r["status"]).startswith("ok"):
+            out.append(f"| {r['case']} | {r['cluster']} | {r['mesh']} | {r['status']} |" + " |" * (len(cols) - 4))
+            continue
+        out.append("| " + " | ".join(str(r[c]) for c in cols) + " |")
+    out += ["", "Columns: times in microseconds per step on one device, simulated with the cost model;",
+            "`xla` = XLA's final order (LHS on), `sync` = same graph and order with every collective synchronous,",
+            "`pre_lhs` = order of the module XLA's LHS received, `pgle` = XLA recompiled with a PGLE profile from our",
+            "cost model (empty unless `--pgle`), bound = max(total compute, total comm, critical path).",
+            "exposed % = communication time with no kernel running / step; overlap % = share of communication hidden.",
+            "", f"Cost model: overlap slowdown {rows[0].get('overlap_slowdown') if rows else ''} (configured, not "
+            "measured); compute and collective options: " + str(cost_desc.get("options", {})), "",
+            f"Wall time of the run: {elapsed:.0f} s."]
+    return "\n".join(out) + "\n"
+
+
+def run_baseline(cases: Sequence[BenchCase], options: BaselineOptions = BaselineOptions()) -> list[dict]:
+    """Run ``cases``, write ``<prefix>.csv`` and ``<prefix>.md`` under ``options.out_dir``; returns the rows."""
+    from concerto_jax.costmodel import CostModel, get_cluster
+
+    os.makedirs(options.out_dir, exist_ok=True)
+    t0 = time.perf_counter()
+    rows = []
+    traced = False
+    for k, case in enumerate(cases, 1):
+        log.info("[%d/%d] %s: %s on %s, mesh %s", k, len(cases), case.name, case.model, case.cluster, case.mesh_shape)
+        t = time.perf_counter()
+        want_trace = (case.name == options.trace_case) or (options.trace_case is None and not traced)
+        try:
+            row = run_case(case, options, export_trace=want_trace)
+        except Exception as e:  # one broken case must not lose the others' results
+            log.exception("%s failed", case.name)
+            row = dict.fromkeys(COLUMNS, "")
+            row.update(case=case.name, cluster=case.cluster, mesh="x".join(map(str, case.mesh_shape)),
+                       status=f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+        traced = traced or (want_trace and str(row["status"]).startswith("ok"))
+        rows.append(row)
+        log.info("[%d/%d] %s done in %.0fs: xla %s us, sync %s us, bound %s us (%s)", k, len(cases), case.name,
+                 time.perf_counter() - t, row["xla_step_us"], row["sync_step_us"], row["lower_bound_us"], row["status"])
+    csv_path = os.path.join(options.out_dir, f"{options.prefix}.csv")
+    with open(csv_path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    desc = CostModel(get_cluster(cases[0].cluster)).describe() if cases else {}
+    md = _markdown(rows, desc, time.perf_counter() - t0)
+    with open(os.path.join(options.out_dir, f"{options.prefix}.md"), "w") as f:
+        f.write(md)
+    log.info("wrote %s and %s.md", csv_path, os.path.join(options.out_dir, options.prefix))
+    return rows
+
+
+def _validation_programs():
+    """Single-device CPU programs for the validation of the method (name, fn, args)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    r = np.random.default_rng(0)
+
+    def f32(*shape):
+        return r.standard_normal(shape).astype(np.float32)
+
+    def mlp_grad(w1, w2, x):
+        return jax.grad(lambda a, b: jnp.mean((jnp.tanh(x @ a) @ b) ** 2), argnums=(0, 1))(w1, w2)
+
+    def block(x, wqkv, wo, w1, w2):
+        def ln(v):
+            m = v.mean(-1, keepdims=True)
+            return (v - m) * jax.lax.rsqrt(((v - m) ** 2).mean(-1, keepdims=True) + 1e-5)
+
+        q, k, v = jnp.split(ln(x) @ wqkv, 3, axis=-1)
+        att = jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", q, k) / 16.0, axis=-1)
+        x = x + jnp.einsum("bqk,bkd->bqd", att, v) @ wo
+        return x + jax.nn.gelu(ln(x) @ w1) @ w2
+
+    def softmax_rows(x):
+        return jax.nn.softmax(x, axis=-1) * jnp.tanh(x)
+
+    def conv(x, w):
+        y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jax.nn.relu(y).sum(axis=(1, 2))
+
+    return [
+        ("mlp_grad", mlp_grad, [f32(512, 1024), f32(1024, 512), f32(256, 512)]),
+        ("transformer_block", block, [f32(4, 256, 256), f32(256, 768), f32(256, 256), f32(256, 1024),
+                                      f32(1024, 256)]),
+        ("softmax_rows", softmax_rows, [f32(2048, 1024)]),
+        ("conv3x3", conv, [f32(8, 32, 32, 32), f32(3, 3, 32, 64)]),
+    ]
+
+
+def run_cpu_validation(out_dir: str = "bench/results", prefix: str = "baseline_cpu_validation",
+                       repeats: int = 15) -> list:
+    """Simulated vs measured time of single-device CPU programs; writes ``<prefix>.csv`` and ``.md``."""
+    from concerto_jax.costmodel.cpu import measure_cpu_spec, validate_program
+
+    os.makedirs(out_dir, exist_ok=True)
+    spec = measure_cpu_spec()
+    rows = []
+    for k, (name, fn, args) in enumerate(_validation_programs(), 1):
+        log.info("[%d/4] validating %s", k, name)
+        rows.append(validate_program(name, fn, args, cpu_spec=spec, repeats=repeats))
+        log.info("%s", rows[-1])
+    fields = ("name", "measured_us", "from_store_us", "store_error_pct", "analytic_us", "analytic_error_pct",
+              "kernels", "failed")
+    with open(os.path.join(out_dir, prefix + ".csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(fields)
+        for r in rows:
+            w.writerow([r.name, round(r.measured_us, 1), round(r.from_store_us, 1), round(r.store_error_pct, 1),
+                        round(r.analytic_us, 1), round(r.analytic_error_pct, 1), r.kernels, r.failed])
+    mean_abs = lambda xs: sum(abs(x) for x in xs) / len(xs)  # noqa: E731
+    md = ["# CPU validation: simulated vs measured single-device programs", "",
+          "| program | measured us | per-kernel store us | error % | analytic (CPU spec) us | error % | kernels | failed |",
+          "|---|---|---|---|---|---|---|---|"]
+    md += [f"| {r.name} | {r.measured_us:.0f} | {r.from_store_us:.0f} | {r.store_error_pct:+.1f} | "
+           f"{r.analytic_us:.0f} | {r.analytic_error_pct:+.1f} | {r.kernels} | {r.failed} |" for r in rows]
+    md += ["", f"Mean |error|: per-kernel store {mean_abs([r.store_error_pct for r in rows]):.1f} %, "
+           f"analytic {mean_abs([r.analytic_error_pct for r in rows]):.1f} %.",
+           f"CPU spec: {spec.sources[0]}.",
+           "Per-kernel store: every kernel of XLA:CPU's optimized module compiled alone and timed (median, "
+           "dispatch overhead subtracted), summed by the simulator. Shared 2-core machine: timings are noisy."]
+    with open(os.path.join(out_dir, prefix + ".md"), "w") as f:
+        f.write("\n".join(md) + "\n")
+    return rows

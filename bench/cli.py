@@ -1,0 +1,54 @@
+"""Command line of the benchmarks: ``python -m bench.cli baseline [--case NAME] [--quick]`` (or ``concerto-bench``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def main(argv=None) -> int:
+    """Parse arguments and run the chosen benchmark; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="concerto-bench", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("baseline", help="stock XLA schedule vs program order vs lower bound, simulated")
+    b.add_argument("--case", action="append", help="run only this case (repeatable)")
+    b.add_argument("--quick", action="store_true", help="run only the quick subset")
+    b.add_argument("--pgle", action="store_true", help="also compile with a PGLE profile from our cost model")
+    b.add_argument("--out", default="bench/results", help="output directory")
+    b.add_argument("--prefix", default=None, help="result file prefix (default: baseline[_quick])")
+    b.add_argument("--trace-case", default=None, help="case exported as Perfetto trace + Gantt PNG")
+    b.add_argument("-v", "--verbose", action="store_true")
+    v = sub.add_parser("validate-cpu", help="simulated vs measured time of single-device CPU programs")
+    v.add_argument("--out", default="bench/results", help="output directory")
+    v.add_argument("--repeats", type=int, default=15, help="timed runs per measurement (median)")
+    v.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    # The deviceless GPU compile needs JAX on CPU; set before JAX starts (the CLI, not the library).
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from bench import baseline, suite
+
+    if args.command == "validate-cpu":
+        baseline.run_cpu_validation(args.out, repeats=args.repeats)
+        with open(os.path.join(args.out, "baseline_cpu_validation.md")) as f:
+            sys.stdout.write(f.read())
+        return 0
+    if args.case:
+        cases = [suite.get_case(n) for n in args.case]
+    elif args.quick:
+        cases = [suite.get_case(n) for n in suite.QUICK]
+    else:
+        cases = list(suite.SUITE)
+    prefix = args.prefix or ("baseline_quick" if args.quick or args.case else "baseline")
+    rows = baseline.run_baseline(cases, baseline.BaselineOptions(out_dir=args.out, pgle=args.pgle,
+                                                                  trace_case=args.trace_case, prefix=prefix))
+    with open(os.path.join(args.out, f"{prefix}.md")) as f:
+        sys.stdout.write(f.read())
+    return 0 if all(not str(r["status"]).startswith("error") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

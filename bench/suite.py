@@ -1,0 +1,86 @@
+"""Benchmark cases (model x layout x target cluster) as frozen dataclasses, with a legend.
+
+Legend (the Concerto paper's settings, shrunk so that each step compiles
+deviceless in well under a minute on a 2-core CPU):
+
+=====================  =========================================================
+case                   what it is
+=====================  =========================================================
+gpt_tp8_nvlink         GPT h=2048 (0.9B preset) x 2 layers, Megatron TP=8, bf16, 8x H100 SXM (NVLink)
+gpt_tp8_pcie_fp32      same model in fp32, TP=8, 8x H100 PCIe (no NVLink: PCIe Gen5)
+gpt_dp2_tp8_2hosts     GPT h=2048 x 2 layers, DP=2 across hosts x TP=8 in a host, 2x8 H100 SXM
+gpt_zero3_8            GPT h=2048 x 2 layers, ZeRO-3/FSDP over 8x H100 SXM
+gpt_zero3_16           GPT h=2048 x 2 layers, ZeRO-3/FSDP over 2x8 H100 SXM (network between hosts)
+vit_dp8                ViT (smallest paper preset, layers cut to 2), DP=8, 8x A100 80GB
+evoformer_dap8         Evoformer (smallest paper preset, blocks cut to 2), DAP=8, 8x H100 SXM
+wideresnet_dp8         WideResNet (smallest paper preset), DP=8, 8x A100 80GB
+=====================  =========================================================
+
+The paper uses 18 GPT layers; every layer has the same collectives, so 2
+layers show the same overlap opportunities at 1/9 of the compile time. Global
+batch and sequence length are the presets' (GPT: 16 x 1024 tokens). A case
+whose model is not registered in ``models`` yet is reported as skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchCase:
+    """One benchmark case.
+
+    Attributes:
+      name: short unique name (CSV key, ``--case``).
+      model: key of ``models.registry.MODELS``.
+      layout: key of ``models.layouts.LAYOUTS``.
+      cluster: key of ``concerto_jax.costmodel.CLUSTERS``.
+      mesh_shape: one size per layout mesh axis (outermost first).
+      config: preset name of the model; None takes the model's first non-tiny preset.
+      overrides: config fields to replace (only those the config has), e.g. fewer layers.
+      dtype: activation/matmul dtype override (``"bfloat16"``, ``"float32"``) or None.
+      note: one line for the legend.
+    """
+
+    name: str
+    model: str
+    layout: str
+    cluster: str
+    mesh_shape: tuple[int, ...]
+    config: str | None = None
+    overrides: tuple[tuple[str, object], ...] = ()
+    dtype: str | None = None
+    note: str = ""
+
+
+_FEW_LAYERS = (("num_layers", 2), ("depth", 2), ("num_blocks", 2), ("evoformer_blocks", 2))
+
+SUITE: tuple[BenchCase, ...] = (
+    BenchCase("gpt_tp8_nvlink", "gpt", "tp", "h100_sxm_8", (8,), "gpt_0_9b", _FEW_LAYERS, "bfloat16",
+              "Megatron TP=8 with NVLink, bf16"),
+    BenchCase("gpt_tp8_pcie_fp32", "gpt", "tp", "h100_pcie_8", (8,), "gpt_0_9b", _FEW_LAYERS, "float32",
+              "TP=8 without NVLink, fp32"),
+    BenchCase("gpt_dp2_tp8_2hosts", "gpt", "dp_tp", "h100_sxm_2x8", (2, 8), "gpt_0_9b", _FEW_LAYERS, "bfloat16",
+              "DP across 2 hosts x TP=8 inside each"),
+    BenchCase("gpt_zero3_8", "gpt", "zero3", "h100_sxm_8", (8,), "gpt_0_9b", _FEW_LAYERS, "bfloat16",
+              "ZeRO-3 on 8 GPUs"),
+    BenchCase("gpt_zero3_16", "gpt", "zero3", "h100_sxm_2x8", (16,), "gpt_0_9b", _FEW_LAYERS, "bfloat16",
+              "ZeRO-3 on 16 GPUs over 2 hosts"),
+    BenchCase("vit_dp8", "vit", "dp", "a100_80_8", (8,), None, _FEW_LAYERS, None, "ViT, DP=8"),
+    BenchCase("evoformer_dap8", "evoformer", "dap", "h100_sxm_8", (8,), None, _FEW_LAYERS, None,
+              "Evoformer with DAP=8"),
+    BenchCase("wideresnet_dp8", "wideresnet", "dp", "a100_80_8", (8,), None, (), None, "WideResNet, DP=8"),
+)
+"""The v1 baseline suite."""
+
+QUICK: tuple[str, ...] = ("gpt_tp8_nvlink",)
+"""Cases run by ``--quick``."""
+
+
+def get_case(name: str) -> BenchCase:
+    """The suite case called ``name``; raises ``ValueError`` listing the known names."""
+    for c in SUITE:
+        if c.name == name:
+            return c
+    raise ValueError(f"unknown case {name!r}; known: {[c.name for c in SUITE]}")
