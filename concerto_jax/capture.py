@@ -1,0 +1,170 @@
+"""Capture: from a jitted step and example arguments, the per-device module after SPMD partitioning.
+
+This is the first stage of the pipeline. It lowers and compiles the user's
+jitted function once with XLA's HLO dump switched on for the
+``spmd-partitioning`` pass, and keeps what later stages need:
+
+* the post-SPMD per-device HLO text (explicit collectives, per-device shapes);
+* the compiled executable of the *original* program, whose calling convention
+  (pytree, kept arguments, donation, in/out shardings, weak types) the
+  executor reuses so that an optimised step is called exactly like the
+  original one;
+* the device assignment (partition ``i`` runs on ``device_list[i]``).
+
+The dump recipe was checked on jax 0.10.2 (see WORKSPACE_NOTES.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_SPMD_DUMP_GLOB = "*after_spmd-partitioning*.txt"
+_UNPARTITIONED_DUMP_GLOB = "*before_optimizations.txt"
+
+
+class CaptureError(RuntimeError):
+    """XLA did not produce the module we expected (a dump is missing or ambiguous)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticSplit:
+    """Which positional/keyword arguments of a jitted function are static."""
+
+    static_argnums: tuple[int, ...]
+    static_argnames: tuple[str, ...]
+
+    def dynamic(self, args: tuple, kwargs: Mapping[str, Any]) -> tuple[tuple, dict]:
+        """The arguments a compiled executable is called with (static ones removed)."""
+        n = len(args)
+        drop = {i % n for i in self.static_argnums if -n <= i < n} if n else set()
+        dyn_args = tuple(a for i, a in enumerate(args) if i not in drop)
+        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
+        return dyn_args, dyn_kwargs
+
+    def static_values(self, args: tuple, kwargs: Mapping[str, Any]) -> tuple:
+        """The static argument values (they are part of the cache key)."""
+        n = len(args)
+        pos = tuple((i, args[i]) for i in sorted({i % n for i in self.static_argnums if -n <= i < n}))
+        kw = tuple(sorted((k, kwargs[k]) for k in self.static_argnames if k in kwargs))
+        return pos + kw
+
+
+def jit_info(fn: Any) -> StaticSplit:
+    """Static-argument information of a ``jax.jit``-wrapped function.
+
+    Raises:
+      TypeError: if ``fn`` is not a function wrapped by ``jax.jit``.
+    """
+    info = getattr(fn, "_jit_info", None)
+    if info is None or not hasattr(fn, "lower"):
+        raise TypeError(
+            "concerto_jax.optimize expects a function wrapped by jax.jit (with in/out "
+            f"shardings on a Mesh, or shard_map inside), got {fn!r} of type "
+            f"{type(fn).__name__}. Wrap it first: optimize(jax.jit(step, in_shardings=..., "
+            "out_shardings=...)), or put @concerto_jax.optimize above @jax.jit."
+        )
+    return StaticSplit(tuple(info.static_argnums), tuple(info.static_argnames))
+
+
+@dataclasses.dataclass(frozen=True)
+class Capture:
+    """What the capture stage hands to the rest of the pipeline.
+
+    Attributes:
+      hlo_text: the per-device module after SPMD partitioning (or, for a program
+        on one device, the module before optimisations).
+      compiled: XLA's compiled executable of the original program (``jax.stages.Compiled``).
+      device_list: devices in partition order (``device_list[i]`` runs partition ``i``).
+      num_partitions: number of SPMD partitions (devices) of the program.
+      seconds: wall time of lowering + compiling + reading the dump.
+    """
+
+    hlo_text: str
+    compiled: Any
+    device_list: tuple
+    num_partitions: int
+    seconds: float
+
+    @property
+    def input_shardings(self):
+        return self.compiled.input_shardings
+
+    @property
+    def output_shardings(self):
+        return self.compiled.output_shardings
+
+
+def _read_single(pattern: str, directory: str) -> str | None:
+    paths = sorted(glob.glob(os.path.join(directory, pattern)))
+    if not paths:
+        return None
+    modules = {os.path.basename(p).split(".")[0] for p in paths}
+    if len(modules) > 1:
+        raise CaptureError(
+            f"expected the dump of one module in {directory}, found {len(modules)} "
+            f"({sorted(modules)}); does the function compile more than one program?"
+        )
+    with open(paths[-1]) as f:
+        return f.read()
+
+
+def capture(fn: Any, args: tuple, kwargs: Mapping[str, Any] | None = None, *,
+            compiler_options: Mapping[str, Any] | None = None,
+            keep_dump_dir: str | None = None) -> Capture:
+    """Lower and compile ``fn(*args, **kwargs)`` and return its post-SPMD module.
+
+    Args:
+      fn: a ``jax.jit``-wrapped function.
+      args, kwargs: example arguments (arrays or ShapeDtypeStructs with shardings).
+      compiler_options: extra XLA compiler options for the capture compile.
+      keep_dump_dir: if given, XLA's dump is written there and kept (for debugging);
+        otherwise a temporary directory is used and removed.
+
+    Returns:
+      A ``Capture``.
+
+    Raises:
+      TypeError: ``fn`` is not jitted (from ``jit_info``), or JAX rejects the arguments.
+      CaptureError: XLA wrote no post-partitioning dump.
+    """
+    jit_info(fn)
+    kwargs = dict(kwargs or {})
+    t0 = time.perf_counter()
+    dump_dir = keep_dump_dir or tempfile.mkdtemp(prefix="concerto_capture_")
+    try:
+        lowered = fn.lower(*args, **kwargs)
+        options = {
+            "xla_dump_to": dump_dir,
+            "xla_dump_hlo_pass_re": "spmd-partitioning",
+            "xla_dump_hlo_as_text": True,
+        }
+        options.update(compiler_options or {})
+        compiled = lowered.compile(compiler_options=options)
+        text = _read_single(_SPMD_DUMP_GLOB, dump_dir)
+        if text is None:
+            text = _read_single(_UNPARTITIONED_DUMP_GLOB, dump_dir)
+        if text is None:
+            raise CaptureError(
+                f"XLA wrote no post-SPMD (or pre-optimisation) module into {dump_dir}; "
+                "is the XLA_FLAGS environment variable overriding --xla_dump_to?"
+            )
+    finally:
+        if keep_dump_dir is None:
+            shutil.rmtree(dump_dir, ignore_errors=True)
+    mesh_exe = compiled._executable
+    device_list = tuple(mesh_exe._unloaded_executable.device_list)
+    seconds = time.perf_counter() - t0
+    log.info("captured %s: %d partitions, %d lines of HLO in %.2fs",
+             getattr(fn, "__name__", "step"), len(device_list), text.count("\n"), seconds)
+    return Capture(hlo_text=text, compiled=compiled, device_list=device_list,
+                   num_partitions=len(device_list), seconds=seconds)

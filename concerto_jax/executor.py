@@ -1,0 +1,144 @@
+"""Executor: compile a per-device HLO module for the mesh and call it like the original step.
+
+A post-SPMD module is a per-device program whose collectives name devices by
+partition id. XLA's Python path (HLO -> StableHLO -> compile) would partition
+it again if compiled as SPMD, so we compile it as a *replicated* program:
+``num_replicas = n``, ``num_partitions = 1``, replica ``i`` on the device that
+ran partition ``i``. ``partition-id`` must therefore have been rewritten to
+``replica-id`` (``hlo_passes`` does this before printing; see
+``prepare_for_replicas``).
+
+The calling convention is borrowed from the original compiled step: we swap
+our executable into JAX's own ``MeshExecutable`` machinery, so argument
+flattening, unused-argument pruning, donation, output shardings and weak types
+are handled by JAX exactly as for the original.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from jax._src import stages
+from jax._src.interpreters import mlir as jax_mlir
+from jax._src.lib import _jax
+from jax._src.lib import xla_client as xc
+from jax._src.lib.mlir import ir
+
+log = logging.getLogger(__name__)
+
+
+class ExecutorError(RuntimeError):
+    """XLA rejected a module we emitted (a bug in a pass: the caller falls back)."""
+
+
+def parse_with_xla(hlo_text: str):
+    """Parse HLO text with XLA's own parser (raises ``ExecutorError`` naming XLA's complaint)."""
+    try:
+        return xc.hlo.hlo_module_from_text(hlo_text)
+    except Exception as e:  # XLA raises XlaRuntimeError / ValueError depending on the path
+        raise ExecutorError(f"XLA's HLO parser rejected the emitted module: {e}") from e
+
+
+_DONOR_RE = re.compile(r"buffer_donor=\{((?:[^{}]|\{[^{}]*\})*)\}")
+
+
+def donated_parameters(hlo_text: str) -> list[int]:
+    """Entry parameters that the module header lists in ``buffer_donor={ (p, {}), ... }``.
+
+    The HLO -> StableHLO conversion keeps ``input_output_alias`` (donation with
+    a chosen output) but drops ``buffer_donor`` (donation XLA may use for any
+    output), so the executor puts the latter back as ``jax.buffer_donor``
+    argument attributes. Aliased parameters are not listed: marking them as
+    donors too is rejected by XLA's verifier.
+    """
+    header = hlo_text.split("\n", 1)[0]
+    m = _DONOR_RE.search(header)
+    if not m:
+        return []
+    return sorted({int(x) for x in re.findall(r"\(\s*(\d+)\s*,", m.group(1))})
+
+
+def _mark_donors(mlir_bytes: bytes, params: list[int]) -> str | bytes:
+    """Add ``jax.buffer_donor = true`` to the given arguments of ``@main``."""
+    if not params:
+        return mlir_bytes
+    with jax_mlir.make_ir_context() as ctx:
+        module = ir.Module.parse(mlir_bytes, context=ctx)
+        for op in module.body.operations:
+            if "sym_name" in op.attributes and ir.StringAttr(op.attributes["sym_name"]).value == "main":
+                n_args = len(op.regions[0].blocks[0].arguments)
+                old = op.attributes["arg_attrs"] if "arg_attrs" in op.attributes else None
+                dicts = []
+                for i in range(n_args):
+                    entries = {}
+                    if old is not None:
+                        d = ir.DictAttr(ir.ArrayAttr(old)[i])
+                        entries = {d[j].name: d[j].attr for j in range(len(d))}
+                    if i in params:
+                        entries["jax.buffer_donor"] = ir.BoolAttr.get(True)
+                    dicts.append(ir.DictAttr.get(entries))
+                op.attributes["arg_attrs"] = ir.ArrayAttr.get(dicts)
+                break
+        return str(module)
+
+
+def compile_replicated(hlo_text: str, device_list, *,
+                       compiler_options: Mapping[str, Any] | None = None):
+    """Compile a per-device module as a replicated program on ``device_list``.
+
+    Args:
+      hlo_text: HLO text of the per-device module (``partition-id`` already
+        rewritten to ``replica-id``).
+      device_list: devices in partition order.
+      compiler_options: extra XLA options (values as Python bool/int/str).
+
+    Returns:
+      (loaded executable, compile seconds).
+    """
+    t0 = time.perf_counter()
+    module = parse_with_xla(hlo_text)
+    mlir = _jax.mlir.hlo_to_stablehlo(module.as_serialized_hlo_module_proto())
+    mlir = _mark_donors(mlir, donated_parameters(hlo_text))
+    devices = tuple(device_list)
+    n = len(devices)
+    opts = xc.CompileOptions()
+    build = opts.executable_build_options
+    build.num_replicas = n
+    build.num_partitions = 1
+    build.use_spmd_partitioning = False
+    build.device_assignment = xc.DeviceAssignment.create(
+        np.array([d.id for d in devices], dtype=np.int64).reshape(n, 1))
+    for key, value in (compiler_options or {}).items():
+        opts.env_option_overrides = list(opts.env_option_overrides) + [(key, value)]
+    client = devices[0].client
+    try:
+        exe = client.compile_and_load(mlir, xc.DeviceList(devices), opts)
+    except Exception as e:
+        raise ExecutorError(f"XLA failed to compile the emitted module: {e}") from e
+    return exe, time.perf_counter() - t0
+
+
+def swap_executable(original: Any, loaded_executable: Any) -> Any:
+    """A ``jax.stages.Compiled`` that calls ``loaded_executable`` with ``original``'s convention.
+
+    Args:
+      original: the ``Compiled`` object of the user's jitted step (from capture).
+      loaded_executable: our compiled replicated program over the same devices.
+
+    Returns:
+      A ``Compiled`` whose ``__call__`` takes the same (dynamic) arguments as
+      ``original`` and returns the same pytree with the same shardings.
+    """
+    mesh_exe = original._executable
+    unloaded = mesh_exe._unloaded_executable
+    ours = dataclasses.replace(unloaded, xla_executable=loaded_executable, pgle_profiler=None)
+    params = original._params
+    return stages.Compiled(ours.load(), params.const_args, original.args_info,
+                           original.out_tree, original._no_kwargs,
+                           params.in_types, params.out_types)

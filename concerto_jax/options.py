@@ -1,0 +1,45 @@
+"""Options of ``concerto_jax.optimize``: one frozen dataclass, one comment per field."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What ``optimize`` does to a step, and how it reports it.
+
+    The defaults are safe: every pass that changes the program keeps the
+    results bitwise equal (they only reorder or regroup work), and any
+    internal failure falls back to the original step with one warning.
+    """
+
+    # Passes, in pipeline order. Known names: "schedule" (RCPSP order of the
+    # program), "fuse_collectives" (merge fusible collectives). An empty
+    # tuple runs the identity pipeline (capture -> IR -> print -> execute).
+    passes: tuple[str, ...] = ()
+    # Run the IR verifier after parsing and after every pass (cheap; keep on).
+    verify: bool = True
+    # Check that XLA's own parser accepts the emitted module before compiling.
+    validate_with_xla: bool = True
+    # Extra XLA compiler options for compiling the optimised module, e.g.
+    # {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"} (values: bool/int/str).
+    compiler_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # On an internal failure (a pass or XLA rejecting our module), warn once
+    # and run the original step. False re-raises instead (for debugging/tests).
+    fallback: bool = True
+    # If set, write the captured and the emitted HLO text of every compiled
+    # signature into this directory.
+    dump_dir: str | None = None
+
+    def __post_init__(self):
+        known = {"schedule", "fuse_collectives"}
+        unknown = [p for p in self.passes if p not in known]
+        if unknown:
+            raise ValueError(f"unknown pass name(s) {unknown}; expected some of {sorted(known)}")
+        if not isinstance(self.compiler_options, Mapping):
+            raise TypeError(
+                f"compiler_options must be a mapping of XLA option -> value, got "
+                f"{type(self.compiler_options).__name__}")

@@ -1,0 +1,105 @@
+"""The pass pipeline between capture and execution: parse -> verify -> passes -> emit.
+
+Each pass is a function ``(module, options) -> PassOutcome`` registered in
+``PASSES`` by name. The pipeline verifies the IR after parsing and after each
+pass (``Options.verify``), rewrites ``partition-id`` into ``replica-id`` so the
+module can run as a replicated program (see ``concerto_jax.executor``), prints
+the module, and checks that XLA's own parser accepts it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+import hlo_passes
+from concerto_jax.executor import parse_with_xla
+from concerto_jax.options import Options
+from concerto_jax.report import PassRecord, count_collectives
+from hlo_passes.rewrites import spmd_to_replicated
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class PassOutcome:
+    """What a pass reports: whether it changed the module, and its statistics."""
+
+    changed: bool
+    stats: dict = dataclasses.field(default_factory=dict)
+
+
+PassFn = Callable[[hlo_passes.HloModule, Options], PassOutcome]
+PASSES: dict[str, PassFn] = {}
+"""Registered passes by name (``Options.passes`` picks from these)."""
+
+
+def register_pass(name: str) -> Callable[[PassFn], PassFn]:
+    """Decorator that registers a pass under ``name``."""
+
+    def deco(fn: PassFn) -> PassFn:
+        PASSES[name] = fn
+        return fn
+
+    return deco
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineResult:
+    """The emitted module text and the account of how it was made."""
+
+    text: str
+    instructions: int
+    collectives: dict
+    passes: tuple[PassRecord, ...]
+    stage_seconds: dict
+
+
+def run(hlo_text: str, options: Options) -> PipelineResult:
+    """Run the pipeline on a captured post-SPMD module.
+
+    Raises:
+      hlo_passes.HloError: the module could not be parsed, or a pass broke an invariant.
+      KeyError: ``options.passes`` names a pass that is not registered.
+      concerto_jax.executor.ExecutorError: XLA's parser rejected the emitted text.
+    """
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    module = hlo_passes.parse_module(hlo_text, source="captured")
+    if options.verify:
+        hlo_passes.verify(module)
+    timings["parse"] = time.perf_counter() - t0
+
+    entry = module.entry
+    instructions = len(entry.instructions)
+    collectives = count_collectives(
+        i.collective_kind for i in module.instructions() if i.is_collective)
+
+    records = []
+    t_passes = time.perf_counter()
+    for name in options.passes:
+        if name not in PASSES:
+            raise KeyError(f"pass {name!r} is not registered (known: {sorted(PASSES)})")
+        t = time.perf_counter()
+        outcome = PASSES[name](module, options)
+        if options.verify:
+            hlo_passes.verify(module)
+        records.append(PassRecord(name, outcome.changed, time.perf_counter() - t, outcome.stats))
+        log.info("pass %s: changed=%s %s", name, outcome.changed, outcome.stats)
+    timings["passes"] = time.perf_counter() - t_passes
+
+    t0 = time.perf_counter()
+    if module.replica_count == 1 and module.num_partitions > 1:
+        spmd_to_replicated(module)
+    else:  # a one-device program: nothing to translate but partition-id
+        hlo_passes.partition_id_to_replica_id(module)
+    text = hlo_passes.module_to_text(module)
+    timings["print"] = time.perf_counter() - t0
+    if options.validate_with_xla:
+        t0 = time.perf_counter()
+        parse_with_xla(text)
+        timings["validate"] = time.perf_counter() - t0
+    return PipelineResult(text=text, instructions=instructions, collectives=collectives,
+                          passes=tuple(records), stage_seconds=timings)

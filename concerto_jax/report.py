@@ -1,0 +1,67 @@
+"""Report: what ``optimize`` did to one compiled signature of a step."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+
+@dataclasses.dataclass(frozen=True)
+class PassRecord:
+    """One pass of the pipeline: its name, whether it changed the module, its statistics."""
+
+    name: str
+    changed: bool
+    seconds: float
+    stats: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """The account of one compiled signature.
+
+    Attributes:
+      function: name of the user's step.
+      num_devices: devices (SPMD partitions) of the program.
+      optimized: True if the optimised module runs; False if the step fell back.
+      fallback_reason: why it fell back (None when optimised).
+      instructions: instructions in the entry computation of the captured module.
+      collectives: count of collectives by kind in the captured module.
+      passes: the pipeline's passes, in order.
+      stage_seconds: wall time per stage (capture, parse, passes, print, compile).
+    """
+
+    function: str
+    num_devices: int
+    optimized: bool
+    fallback_reason: str | None = None
+    instructions: int = 0
+    collectives: dict = dataclasses.field(default_factory=dict)
+    passes: tuple[PassRecord, ...] = ()
+    stage_seconds: dict = dataclasses.field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"concerto_jax report for {self.function!r} on {self.num_devices} devices"]
+        if self.optimized:
+            lines.append("  status: optimised module in use")
+        else:
+            lines.append(f"  status: FELL BACK to the original step ({self.fallback_reason})")
+        lines.append(f"  entry instructions: {self.instructions}")
+        coll = ", ".join(f"{k} x{v}" for k, v in sorted(self.collectives.items())) or "none"
+        lines.append(f"  collectives: {coll}")
+        if self.passes:
+            lines.append("  passes:")
+            for p in self.passes:
+                stats = ", ".join(f"{k}={v}" for k, v in p.stats.items())
+                lines.append(f"    {p.name:<18} changed={p.changed!s:<5} {p.seconds:7.3f}s  {stats}")
+        else:
+            lines.append("  passes: none (identity pipeline)")
+        if self.stage_seconds:
+            st = "  ".join(f"{k} {v:.3f}s" for k, v in self.stage_seconds.items())
+            lines.append(f"  stage times: {st}")
+        return "\n".join(lines)
+
+
+def count_collectives(kinds) -> dict:
+    """Histogram of collective kinds (an iterable of kind names)."""
+    return dict(Counter(kinds))
