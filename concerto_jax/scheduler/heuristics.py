@@ -1,0 +1,160 @@
+"""Fast list-scheduling heuristic for task graphs (critical-path priority, early launches).
+
+It simulates the execution semantics of ``concerto_jax.scheduler.evaluate`` while it
+builds the order, so the order it returns achieves the times it planned:
+
+* ready collectives are launched (``START``) by priority while their stream would be
+  busy for less than the next compute task (early enough to overlap it; not so early
+  that a queue of low-priority collectives delays a critical one ready later);
+* the compute stream runs, among the ready compute tasks whose inputs are already
+  available at the current time, the one with the longest tail (critical-path priority);
+  when none is available it jumps to the task that can start first;
+* a collective's ``DONE`` is placed right before its first consumer (or at the end).
+
+Runs in O((n + e) log n); 100k tasks take about a second.
+
+References: Concerto (ASPLOS'25) §4.2-4.3; classic HLF/critical-path list scheduling.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+from concerto_jax.scheduler.evaluate import tails
+from concerto_jax.taskgraph import Event, Phase, TaskGraph
+
+
+def list_schedule(graph: TaskGraph, priority: Sequence[float] | None = None) -> list[Event]:
+    """Order the events of ``graph`` by list scheduling.
+
+    Args:
+      graph: the task graph (acyclic).
+      priority: larger first; default: the tail (longest path to the end).
+
+    Returns:
+      A valid schedule (``TaskGraph.check_schedule`` passes).
+
+    References: Concerto (ASPLOS'25) §4.3.
+    """
+    tasks = graph.tasks
+    preds = graph.preds
+    succs = graph.succs
+    n = len(tasks)
+    prio = tails(graph) if priority is None else list(priority)
+    is_coll = [t.is_collective for t in tasks]
+    missing = [len(p) for p in preds]  # predecessors not yet issued (RUN / START)
+    coll_ready = [0.0] * n  # latest end of collective predecessors (known once started)
+    end = [0.0] * n
+    done_issued = [False] * n
+    started_colls: list[int] = []
+    events: list[Event] = []
+    free: dict[int, float] = {}
+    t = 0.0
+    avail: list[tuple[float, int]] = []  # (-priority, i): compute tasks startable at t
+    waiting: list[tuple[float, float, int]] = []  # (ready time, -priority, i)
+    coll_queue: list[tuple[float, int]] = []  # collectives whose predecessors are all issued
+
+    def release(i: int) -> None:
+        if is_coll[i]:
+            heapq.heappush(coll_queue, (-prio[i], i))
+        elif coll_ready[i] <= t:
+            heapq.heappush(avail, (-prio[i], i))
+        else:
+            heapq.heappush(waiting, (coll_ready[i], -prio[i], i))
+
+    def issued(i: int) -> None:
+        for s in succs[i]:
+            if is_coll[i] and end[i] > coll_ready[s]:
+                coll_ready[s] = end[i]
+            missing[s] -= 1
+            if missing[s] == 0:
+                release(s)
+
+    def issue_done_of_preds(i: int) -> None:
+        nonlocal t
+        for p in preds[i]:
+            if is_coll[p] and not done_issued[p]:
+                done_issued[p] = True
+                events.append(Event(p, Phase.DONE))
+                if end[p] > t:
+                    t = end[p]
+
+    for i in range(n):
+        if missing[i] == 0:
+            release(i)
+    blocked: list[tuple[float, float, int]] = []  # collectives waiting for collective inputs
+    scheduled = 0
+    inf = float("inf")
+    while scheduled < n:
+        while waiting and waiting[0][0] <= t:
+            _, negp, i = heapq.heappop(waiting)
+            heapq.heappush(avail, (negp, i))
+        while coll_queue:  # split newly released collectives: launchable now or blocked
+            negp, c = coll_queue[0]
+            if coll_ready[c] <= t:
+                break
+            heapq.heappop(coll_queue)
+            heapq.heappush(blocked, (coll_ready[c], negp, c))
+        while blocked and blocked[0][0] <= t:
+            _, negp, c = heapq.heappop(blocked)
+            heapq.heappush(coll_queue, (negp, c))
+        # The next compute task and when it would finish.
+        if avail:
+            x, x_start = avail[0][1], t
+        elif waiting:
+            x, x_start = waiting[0][2], waiting[0][0]
+        else:
+            x, x_start = None, inf
+        horizon = x_start + tasks[x].duration_us if x is not None else inf
+        # Launch collectives, by priority, while their stream would be busy for less than
+        # the next compute task: early enough to overlap it, not so early that a queue of
+        # low-priority collectives delays a critical one that becomes ready later.
+        launched = False
+        full: set[int] = set()
+        stash = []
+        while coll_queue:
+            negp, c = heapq.heappop(coll_queue)
+            if coll_ready[c] > t:
+                heapq.heappush(blocked, (coll_ready[c], negp, c))
+                continue
+            k = tasks[c].stream
+            if k in full or (launched or x is not None) and free.get(k, 0.0) >= horizon:
+                full.add(k)
+                stash.append((negp, c))
+                continue
+            s = max(t, free.get(k, 0.0))
+            end[c] = s + tasks[c].duration_us
+            free[k] = end[c]
+            events.append(Event(c, Phase.START))
+            started_colls.append(c)
+            scheduled += 1
+            launched = True
+            issued(c)  # may release compute tasks (waiting) or collectives (coll_queue)
+            if x is None:
+                break  # nothing to overlap: launch one, then look at what it released
+        for item in stash:
+            heapq.heappush(coll_queue, item)
+        if launched:
+            continue
+        if x is None:
+            if blocked:  # only collectives waiting for collectives: wait for the first input
+                c = blocked[0][2]
+                issue_done_of_preds(c)
+                continue
+            if scheduled < n:
+                raise AssertionError("list_schedule: nothing ready but tasks left (cycle?)")
+            break
+        if avail and avail[0][1] == x:
+            heapq.heappop(avail)
+        else:
+            heapq.heappop(waiting)
+        issue_done_of_preds(x)
+        s = max(t, coll_ready[x])
+        t = end[x] = s + tasks[x].duration_us
+        events.append(Event(x, Phase.RUN))
+        scheduled += 1
+        issued(x)
+    for c in sorted((c for c in started_colls if not done_issued[c]), key=lambda c: end[c]):
+        events.append(Event(c, Phase.DONE))
+    return events
