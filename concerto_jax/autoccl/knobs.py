@@ -1,0 +1,108 @@
+"""Where tuned values go: XLA compiler options / XLA_FLAGS and NCCL environment variables.
+
+* Bucket sizes. On GPU, XLA fuses collectives up to
+  ``xla_gpu_{all_reduce,all_gather,reduce_scatter}_combine_threshold_bytes``
+  (those thresholds *are* bucket sizes). XLA:CPU has no threshold; its pass
+  ``cpu-all-reduce-combiner`` merges every independent all-reduce, so for a
+  chosen bucket plan to survive it must be disabled
+  (``xla_disable_hlo_passes=cpu-all-reduce-combiner``) and the bucketing is
+  done in the program (``dp_step.py``).
+* NCCL settings, process-wide, from the environment: ``NCCL_ALGO``,
+  ``NCCL_PROTO``, ``NCCL_MIN_CTAS``/``NCCL_MAX_CTAS`` (channels),
+  ``NCCL_NTHREADS``, ``NCCL_BUFFSIZE`` and the transport switches. They are
+  read when a communicator is created, so they must be set before JAX
+  initialises its GPU backend (a new process, in practice). Per-collective
+  choices go through the tuner plugin instead (``plugin.py``).
+
+References:
+  AutoCCL NSDI'25 §4.1 (parameters), §5 (implementation on NCCL).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = [
+    "CPU_COMBINER_PASS",
+    "cpu_compiler_options",
+    "gpu_combine_threshold_options",
+    "nccl_env",
+    "xla_flags",
+]
+
+CPU_COMBINER_PASS = "cpu-all-reduce-combiner"
+_GPU_THRESHOLD = {
+    "all-reduce": "xla_gpu_all_reduce_combine_threshold_bytes",
+    "all-gather": "xla_gpu_all_gather_combine_threshold_bytes",
+    "reduce-scatter": "xla_gpu_reduce_scatter_combine_threshold_bytes",
+}
+NCCL_STEPS = 8  # NCCL splits its per-peer buffer into this many steps (chunks)
+
+
+def gpu_combine_threshold_options(thresholds: Mapping[str, int]) -> dict[str, int]:
+    """Compiler options for XLA:GPU combine thresholds.
+
+    Args:
+      thresholds: bytes per collective kind, keys among "all-reduce",
+        "all-gather", "reduce-scatter".
+
+    Returns:
+      ``{"xla_gpu_all_reduce_combine_threshold_bytes": ..., ...}`` for
+      ``lowered.compile(compiler_options=...)``.
+
+    Raises:
+      ValueError: unknown collective kind or negative size.
+    """
+    out = {}
+    for kind, nbytes in thresholds.items():
+        if kind not in _GPU_THRESHOLD:
+            raise ValueError(f"unknown collective {kind!r}; expected one of {sorted(_GPU_THRESHOLD)}.")
+        if int(nbytes) < 0:
+            raise ValueError(f"threshold for {kind} must be >= 0 bytes, got {nbytes}.")
+        out[_GPU_THRESHOLD[kind]] = int(nbytes)
+    return out
+
+
+def cpu_compiler_options(disable_combiner: bool = True) -> dict[str, Any]:
+    """Compiler options for XLA:CPU that keep our bucket plan (combiner pass off)."""
+    return {"xla_disable_hlo_passes": CPU_COMBINER_PASS} if disable_combiner else {}
+
+
+def xla_flags(options: Mapping[str, Any]) -> str:
+    """Renders compiler options as an ``XLA_FLAGS`` string (``--name=value`` ...)."""
+    parts = []
+    for k, v in options.items():
+        v = ("true" if v else "false") if isinstance(v, bool) else v
+        parts.append(f"--{k}={v}")
+    return " ".join(parts)
+
+
+def nccl_env(config: Mapping[str, Any]) -> dict[str, str]:
+    """NCCL environment variables for a config of ``nccl_model.NCCL_SPACE`` shape.
+
+    Keys used (each optional): ``algorithm`` ("Ring"/"Tree"), ``protocol``
+    ("LL"/"LL128"/"Simple"), ``transport`` ("P2P" disables SHM, "SHM"
+    disables P2P), ``nchannels`` (min = max CTAs), ``nthreads``,
+    ``chunk_bytes`` (NCCL has no chunk-size variable; the buffer is
+    ``NCCL_STEPS`` chunks, so ``NCCL_BUFFSIZE = 8 * chunk_bytes``).
+
+    Returns:
+      Environment entries to set before the GPU backend starts.
+    """
+    env: dict[str, str] = {}
+    if "algorithm" in config:
+        env["NCCL_ALGO"] = str(config["algorithm"])
+    if "protocol" in config:
+        env["NCCL_PROTO"] = str(config["protocol"])
+    if config.get("transport") == "P2P":
+        env["NCCL_SHM_DISABLE"] = "1"
+    elif config.get("transport") == "SHM":
+        env["NCCL_P2P_DISABLE"] = "1"
+    if "nchannels" in config:
+        env["NCCL_MIN_CTAS"] = env["NCCL_MAX_CTAS"] = str(int(config["nchannels"]))
+    if "nthreads" in config:
+        env["NCCL_NTHREADS"] = str(int(config["nthreads"]))
+    if "chunk_bytes" in config:
+        env["NCCL_BUFFSIZE"] = str(int(config["chunk_bytes"]) * NCCL_STEPS)
+    return env
