@@ -95,3 +95,10 @@ def test_simulated_overlap(built):
     ar = g.tasks[g.index("ars")].duration_us
     assert s.step_time_us - r.step_time_us == pytest.approx(min(ex, ar))
     assert r.overlap_pct > 0 and s.overlap_pct == 0
+
+
+def test_mesh_replica_groups_with_transposed_device_ids():
+    from concerto_jax.hlo_taskgraph import _mesh_ids_fallback
+
+    raw = "mesh['axis_0'=8,'axis_1'=1,'axis_2'=2], device_ids=([2,8]T(1,0)) {'axis_2'}"
+    assert _mesh_ids_fallback(raw) == [[i, i + 8] for i in range(8)]
