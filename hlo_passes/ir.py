@@ -216,27 +216,23 @@ class Instruction:
     # -- collectives and async pairs -------------------------------------------------
     @property
     def async_role(self) -> str | None:
-        """``'start'``, ``'update'``, ``'done'`` for async pair members, else None."""
-        if self.opcode in _ops.ASYNC_START:
-            return "start"
-        if self.opcode in _ops.ASYNC_DONE:
-            return "done"
-        if self.opcode == _ops.ASYNC_UPDATE:
-            return "update"
-        return None
+        """``'start'``, ``'update'`` or ``'done'`` for members of an async family
+        (``async-start``, sugared ``all-reduce-start``, ``send``/``recv``, ...), else None."""
+        parts = _ops.async_parts(self.opcode)
+        return None if parts is None else parts[1]
 
     def async_start(self) -> Instruction | None:
-        """For a done/update: the start it completes (following updates); else None."""
+        """For a done/update: the start it completes (through updates); else None."""
         inst = self
-        while inst.opcode in _ops.ASYNC_DONE or inst.opcode == _ops.ASYNC_UPDATE:
+        while inst.async_role in ("done", "update"):
             if not inst.operands:
                 return None
             inst = inst.operands[0]
-        return inst if inst is not self and inst.opcode in _ops.ASYNC_START else None
+        return inst if inst is not self and inst.async_role == "start" else None
 
     @property
     def async_wrapped(self) -> Instruction | None:
-        """For the generic async family: the instruction its wrapped computation runs."""
+        """For the generic ``async-*`` family: the op its wrapped computation runs."""
         start = self if self.opcode == "async-start" else self.async_start()
         if start is None or start.opcode != "async-start":
             return None
@@ -253,20 +249,17 @@ class Instruction:
     @property
     def collective_kind(self) -> str | None:
         """Normalised kind (``'all-reduce'``, ``'all-gather'``, ``'reduce-scatter'``,
-        ``'all-to-all'``, ``'collective-permute'``, ...) for a collective or any member
-        of its async pair (specific or generic form); None otherwise."""
-        kind = _ops.COLLECTIVE_OPCODES.get(self.opcode)
-        if kind is not None:
+        ``'all-to-all'``, ``'collective-permute'``, ...) of a collective or of any member
+        of its async family (sugared or generic form); None otherwise."""
+        kind = _ops.collective_kind_of_opcode(self.opcode)
+        if kind is not None or not self.opcode.startswith("async-"):
             return kind
-        if self.opcode.startswith("async-"):
-            wrapped = self.async_wrapped
-            if wrapped is not None:
-                return _ops.COLLECTIVE_OPCODES.get(wrapped.opcode)
-        return None
+        wrapped = self.async_wrapped
+        return None if wrapped is None else _ops.collective_kind_of_opcode(wrapped.opcode)
 
     @property
     def is_collective(self) -> bool:
-        """True for collectives and the members of their async pairs."""
+        """True for collectives and the members of their async families."""
         return self.collective_kind is not None
 
 

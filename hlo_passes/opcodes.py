@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 __all__ = [
-    "CALLED_COMPUTATION_ATTRS", "COLLECTIVE_OPCODES", "ASYNC_START", "ASYNC_DONE",
-    "ASYNC_UPDATE", "collective_kind_of_opcode",
+    "CALLED_COMPUTATION_ATTRS", "COLLECTIVE_KINDS", "async_parts", "collective_kind_of_opcode",
+    "done_opcode",
 ]
 
 CALLED_COMPUTATION_ATTRS = frozenset({
@@ -14,47 +14,44 @@ CALLED_COMPUTATION_ATTRS = frozenset({
 })
 """Attribute names whose values name computations (``%c`` or ``{%a, %b}``)."""
 
-COLLECTIVE_OPCODES: dict[str, str] = {
-    "all-reduce": "all-reduce",
-    "all-reduce-start": "all-reduce",
-    "all-reduce-done": "all-reduce",
-    "all-gather": "all-gather",
-    "all-gather-start": "all-gather",
-    "all-gather-done": "all-gather",
-    "reduce-scatter": "reduce-scatter",
-    "all-to-all": "all-to-all",
-    "ragged-all-to-all": "ragged-all-to-all",
-    "collective-permute": "collective-permute",
-    "collective-permute-start": "collective-permute",
-    "collective-permute-done": "collective-permute",
-    "collective-broadcast": "collective-broadcast",
-    "send": "send",
-    "send-done": "send",
-    "recv": "recv",
-    "recv-done": "recv",
-}
-"""Opcode -> normalised collective kind, for the opcodes that are collectives
-themselves (the generic ``async-*`` family is resolved through its wrapped
-computation, see :attr:`Instruction.collective_kind`)."""
+COLLECTIVE_KINDS = frozenset({
+    "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+    "collective-permute", "collective-broadcast", "send", "recv",
+})
+"""Normalised collective kinds (the synchronous opcode names)."""
 
-ASYNC_START: dict[str, str] = {
-    "all-reduce-start": "all-reduce-done",
-    "all-gather-start": "all-gather-done",
-    "collective-permute-start": "collective-permute-done",
-    "copy-start": "copy-done",
-    "async-start": "async-done",
-    "send": "send-done",
-    "recv": "recv-done",
-}
-"""Start opcode -> the done opcode that must consume it."""
+_ROLE_SUFFIXES = (("-start", "start"), ("-update", "update"), ("-done", "done"))
 
-ASYNC_DONE: dict[str, str] = {done: start for start, done in ASYNC_START.items()}
-"""Done opcode -> the start opcode it consumes."""
 
-ASYNC_UPDATE = "async-update"
-"""The generic async family's optional middle op (start -> update* -> done)."""
+def async_parts(opcode: str) -> tuple[str, str] | None:
+    """``(base, role)`` for a member of an async family, else None.
+
+    ``role`` is ``'start'``, ``'update'`` or ``'done'``; ``base`` is ``'async'`` for the
+    generic ``async-start/update/done`` (the wrapped op is in ``calls=``), else the
+    wrapped opcode: XLA prints a single-op async wrapper in sugared form
+    (``all-reduce-start``, ``reduce-scatter-start``, ``all-to-all-done``, ...), and
+    ``send``/``recv`` start pairs closed by ``send-done``/``recv-done``;
+    ``copy-start``/``copy-done`` are the copy family.
+    """
+    if opcode in ("send", "recv"):
+        return opcode, "start"
+    for suffix, role in _ROLE_SUFFIXES:
+        if opcode.endswith(suffix) and len(opcode) > len(suffix):
+            return opcode[: -len(suffix)], role
+    return None
+
+
+def done_opcode(start_opcode: str) -> str:
+    """The opcode that closes an async start: ``all-reduce-start`` -> ``all-reduce-done``."""
+    base, _ = async_parts(start_opcode)
+    return base + "-done"
 
 
 def collective_kind_of_opcode(opcode: str) -> str | None:
-    """The normalised collective kind of an opcode, or None."""
-    return COLLECTIVE_OPCODES.get(opcode)
+    """The normalised collective kind of an opcode (sync or sugared async), or None."""
+    if opcode in COLLECTIVE_KINDS:
+        return opcode
+    parts = async_parts(opcode)
+    if parts is not None and parts[0] in COLLECTIVE_KINDS:
+        return parts[0]
+    return None

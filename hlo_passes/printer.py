@@ -53,7 +53,7 @@ def instruction_to_text(inst: Instruction, *, root: bool | None = None) -> str:
 
 def signature_text(comp: Computation) -> str:
     """``(p0: f32[4], p1: s32[]) -> f32[4]``: the computation's program shape."""
-    params = _join_indexed([f"{p.name}: {p.shape.without_layout()}" for p in comp.parameters])
+    params = ", ".join(f"{p.name}: {p.shape.without_layout()}" for p in comp.parameters)
     result = comp.root.shape.without_layout() if comp.root is not None else "()"
     return f"({params}) -> {result}"
 

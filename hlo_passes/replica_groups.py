@@ -28,11 +28,13 @@ __all__ = [
 _IOTA_RE = re.compile(
     r"\[\s*(\d+)\s*,\s*(\d+)\s*\]\s*<=\s*\[([\d,\s]*)\]\s*(?:T\(([\d,\s]*)\))?\s*\Z")
 _MESH_RE = re.compile(
-    r"mesh\[(?P<axes>[^\]]*)\]\s*(?:,\s*device_ids=\((?P<ids>[^)]*)\))?\s*"
+    r"mesh\[(?P<axes>[^\]]*)\]\s*(?:,\s*device_ids=\((?P<ids>(?:[^()]|\([^()]*\))*)\))?\s*"
     r"\{(?P<group>[^}]*)\}\s*\Z")
 _AXIS_DEF_RE = re.compile(r"\s*(?:'([^']*)'|([\w.\-]+))\s*=\s*(\d+)\s*")
 _AXIS_REF_RE = re.compile(r"\s*(?:'([^']*)'|([\w.\-]+))\s*(?::\s*\((\d+)\)\s*(\d+))?\s*")
 _TILE_IOTA_RE = re.compile(r"\[([\d,\s]*)\]\s*<=\s*\[([\d,\s]*)\]\s*(?:T\(([\d,\s]*)\))?")
+# Compact iota device list of a mesh: ``[2,4]T(1,0)`` = iota over reshape dims [2,4], transposed.
+_MESH_IOTA_RE = re.compile(r"\s*\[([\d,\s]*)\]\s*(?:T\(([\d,\s]*)\))?\s*\Z")
 
 
 def replica_groups_form(text: str) -> str:
@@ -77,6 +79,10 @@ def _mesh_device_array(sizes: list[int], ids_text: str | None) -> np.ndarray:
     if m is not None:
         perm = _ints(m.group(3)) if m.group(3) is not None else None
         return expand_iota(_ints(m.group(2)), perm).reshape(sizes)
+    m = _MESH_IOTA_RE.match(ids_text)
+    if m is not None:
+        perm = _ints(m.group(2)) if m.group(2) is not None else None
+        return expand_iota(_ints(m.group(1)), perm).reshape(sizes)
     return np.asarray(_ints(ids_text)).reshape(sizes)
 
 

@@ -103,25 +103,21 @@ def _check_instruction(inst: Instruction, comp: Computation, module: HloModule,
 
 
 def _check_async(inst: Instruction) -> None:
-    opcode = inst.opcode
-    if opcode in _ops.ASYNC_START:
-        done = _ops.ASYNC_START[opcode]
-        ends = [u for u in inst.users if u.opcode in (done, _ops.ASYNC_UPDATE)]
-        if len(ends) != 1 or (opcode != "async-start" and ends[0].opcode != done):
-            _fail(f"async start %{inst.name} must be consumed by exactly one {done}"
-                  + (" or async-update" if opcode == "async-start" else "")
-                  + f" (found {len(ends)})", inst)
-    elif opcode in _ops.ASYNC_DONE or opcode == _ops.ASYNC_UPDATE:
-        start_opcode = _ops.ASYNC_DONE.get(opcode, "async-start")
-        allowed = (start_opcode, _ops.ASYNC_UPDATE) if start_opcode == "async-start" else (
-            start_opcode,)
-        if not inst.operands or inst.operands[0].opcode not in allowed:
+    parts = _ops.async_parts(inst.opcode)
+    if parts is None:
+        return
+    base, role = parts
+    update, done = base + "-update", base + "-done"
+    if role in ("start", "update"):
+        ends = [u for u in inst.users if u.opcode in (update, done)]
+        if len(ends) != 1 or sum(o is inst for o in ends[0].operands) != 1:
+            _fail(f"async {role} %{inst.name} must be consumed by exactly one {done} "
+                  f"or {update} (found {len(ends)})", inst)
+    if role in ("update", "done"):
+        first = inst.operands[0] if inst.operands else None
+        allowed = (base + "-start", update) if base != "send" and base != "recv" else (base,)
+        if first is None or first.opcode not in allowed:
             _fail(f"%{inst.name} must take a {' or '.join(allowed)} as its first operand", inst)
-        if opcode == _ops.ASYNC_UPDATE:
-            ends = [u for u in inst.users if u.opcode in ("async-done", _ops.ASYNC_UPDATE)]
-            if len(ends) != 1:
-                _fail(f"async-update %{inst.name} must be consumed by exactly one "
-                      "async-update or async-done", inst)
 
 
 def _check_groups(inst: Instruction, module: HloModule) -> None:
