@@ -4,7 +4,8 @@
 * iota: ``[4,2]<=[2,4]T(1,0)``: ``arange(8).reshape(2,4).transpose(1,0)``
   reshaped to 4 groups of 2;
 * mesh: ``mesh['axis_0'=2,'axis_1'=4] {'axis_1'}`` (optionally
-  ``mesh[...], device_ids=(...)`` and sub-axes ``'a':(pre)size``): the devices of a
+  ``mesh[...], device_ids=(0,2,1,3)`` or an iota ``device_ids=([2,8]T(1,0))``, and
+  sub-axes ``'a':(pre)size``): the devices of a
   mesh laid out as an array over its axes; a group gathers the devices that
   differ only in the listed axes.
 
@@ -32,7 +33,8 @@ _MESH_RE = re.compile(
     r"\{(?P<group>[^}]*)\}\s*\Z")
 _AXIS_DEF_RE = re.compile(r"\s*(?:'([^']*)'|([\w.\-]+))\s*=\s*(\d+)\s*")
 _AXIS_REF_RE = re.compile(r"\s*(?:'([^']*)'|([\w.\-]+))\s*(?::\s*\((\d+)\)\s*(\d+))?\s*")
-_TILE_IOTA_RE = re.compile(r"\[([\d,\s]*)\]\s*<=\s*\[([\d,\s]*)\]\s*(?:T\(([\d,\s]*)\))?")
+_TILE_IOTA_RE = re.compile(
+    r"(?:\[([\d,\s]*)\]\s*<=\s*)?\[([\d,\s]*)\]\s*(?:T\(([\d,\s]*)\))?\s*\Z")
 # Compact iota device list of a mesh: ``[2,4]T(1,0)`` = iota over reshape dims [2,4], transposed.
 _MESH_IOTA_RE = re.compile(r"\s*\[([\d,\s]*)\]\s*(?:T\(([\d,\s]*)\))?\s*\Z")
 
@@ -75,8 +77,8 @@ def _parse_iota(text: str) -> list[list[int]]:
 def _mesh_device_array(sizes: list[int], ids_text: str | None) -> np.ndarray:
     if not ids_text:
         return np.arange(int(np.prod(sizes))).reshape(sizes)
-    m = _TILE_IOTA_RE.search(ids_text)
-    if m is not None:
+    m = _TILE_IOTA_RE.match(ids_text.strip())
+    if m is not None:  # [reshape_dims]T(perm), optionally prefixed by [dims]<=
         perm = _ints(m.group(3)) if m.group(3) is not None else None
         return expand_iota(_ints(m.group(2)), perm).reshape(sizes)
     m = _MESH_IOTA_RE.match(ids_text)
