@@ -86,7 +86,12 @@ def launch(
     if errors:
         raise RuntimeError("autoccl dp_job failed:\n" + "\n".join(errors))
     with open(out_json) as f:
-        return json.load(f)
+        report = json.load(f)
+    report["per_process"] = []
+    for i in range(num_processes):
+        with open(f"{out_json}.p{i}") as f:
+            report["per_process"].append(json.load(f))
+    return report
 
 
 def _time_step(fn, params, batch, n: int) -> list[float]:
@@ -111,6 +116,7 @@ def _main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--min-rel-improvement", type=float, default=0.03)
     ap.add_argument("--sweep-repeats", type=int, default=5)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"[p{args.process_id}] %(name)s: %(message)s")
@@ -170,7 +176,7 @@ def _main(argv: list[str] | None = None) -> None:
     events = []
     tuner = OnlineTuner(
         space, Signature("grad-buckets", int(total_bytes), f"{args.num_processes}proc x {args.devices}dev"),
-        TunerOptions(warmup_steps=1, repeats=args.repeats, search=SearchOptions(min_rel_improvement=0.03)),
+        TunerOptions(warmup_steps=1, repeats=args.repeats, search=SearchOptions(min_rel_improvement=args.min_rel_improvement)),
         progress=lambda e: events.append([e.step, e.phase, e.config["bucket_bytes"], e.time]),
     )
     p, t_start = params, time.perf_counter()
@@ -210,6 +216,8 @@ def _main(argv: list[str] | None = None) -> None:
     report["max_abs_diff"] = float(max(np.max(np.abs(x - y)) for x, y in zip(a, b, strict=True)))
     report["bitwise_equal"] = all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
     report["tuned_config"] = dict(Config(res.config))
+    with open(f"{args.out}.p{jax.process_index()}", "w") as f:  # what each process ended up running
+        json.dump({"tuned_config": report["tuned_config"], "tuning_steps": res.steps}, f)
     if jax.process_index() == 0:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

@@ -31,7 +31,7 @@ from concerto_jax.autoccl.knobs import cpu_compiler_options
 
 __all__ = ["bucketed_psum", "compile_dp_step", "count_all_reduces", "make_dp_step"]
 
-_ALL_REDUCE = re.compile(r"=\s*\S+\s+all-reduce(?:-start)?\(")
+_ALL_REDUCE = re.compile(r" all-reduce(?:-start)?\(")  # opcode position; names are followed by " ="
 
 
 def bucketed_psum(leaves: list[jax.Array], buckets: list[Bucket], axis_name: str) -> list[jax.Array]:

@@ -92,6 +92,10 @@ static int load_table(context_t* ctx, const char* path) {
   }
   fclose(f);
   ctx->n_rules = n;
+  if (n == 0) {
+    LOG(ctx->log, NCCL_LOG_WARN, "concerto tuner: no rule in %s; using NCCL defaults", path);
+    return -1;
+  }
   LOG(ctx->log, NCCL_LOG_INFO, "concerto tuner: %d rule(s) loaded from %s", n, path);
   return 0;
 }
