@@ -35,7 +35,7 @@ class Row:
     """One solved instance."""
 
     instance: str  # file name, e.g. j301_1.sm
-    ref_lo: int  # best lower bound in the literature (== ref_hi when closed)
+    ref_lo: int | None  # best lower bound in the literature (== ref_hi when closed; None: unknown)
     ref_hi: int  # best known makespan
     makespan: int  # ours
     lower_bound: int  # our proven bound
@@ -75,6 +75,7 @@ def run(set_name: str, limit: int | None, params: SolverParams, start: int = 0) 
 
 def summary(rows: list[Row]) -> dict:
     n = len(rows)
+    with_lo = [r for r in rows if r.ref_lo is not None]
     return {
         "instances": n,
         "at_reference": sum(r.makespan <= r.ref_hi for r in rows),
@@ -83,7 +84,7 @@ def summary(rows: list[Row]) -> dict:
         "mean_dev_pct": statistics.fmean(r.deviation_pct for r in rows) if rows else 0.0,
         "max_dev_pct": max((r.deviation_pct for r in rows), default=0.0),
         "mean_dev_vs_lo_pct": statistics.fmean(100.0 * (r.makespan - r.ref_lo) / r.ref_lo
-                                               for r in rows) if rows else 0.0,
+                                               for r in with_lo) if with_lo else float("nan"),
         "mean_wall_s": statistics.fmean(r.wall_s for r in rows) if rows else 0.0,
         "max_wall_s": max((r.wall_s for r in rows), default=0.0),
     }
@@ -108,7 +109,7 @@ def _write(set_name: str, rows: list[Row], params: SolverParams, limit, start) -
         "Deviation is from the best known makespan (`hi` of `lo..hi` for open instances).",
         "",
         "| instances | at/below reference | better than reference | proven optimal | "
-        "mean dev % | max dev % | mean dev vs LB % | mean s | max s |",
+        "mean dev % | max dev % | mean dev vs known LB % | mean s | max s |",
         "|---|---|---|---|---|---|---|---|---|",
         f"| {s['instances']} | {s['at_reference']} | {s['better_than_reference']} | "
         f"{s['proven_optimal']} | {s['mean_dev_pct']:.3f} | {s['max_dev_pct']:.2f} | "
@@ -119,7 +120,7 @@ def _write(set_name: str, rows: list[Row], params: SolverParams, limit, start) -
     if worst and worst[0].deviation_pct > 0:
         lines += ["Instances above the reference:", "", "| instance | ours | reference | dev % | s |",
                   "|---|---|---|---|---|"]
-        lines += [f"| {r.instance} | {r.makespan} | {r.ref_lo}..{r.ref_hi} | {r.deviation_pct:.2f} "
+        lines += [f"| {r.instance} | {r.makespan} | {r.ref_lo or ''}..{r.ref_hi} | {r.deviation_pct:.2f} "
                   f"| {r.wall_s:.1f} |" for r in worst if r.deviation_pct > 0]
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -16,10 +16,18 @@ Plus a generic RCPSP entry point (``solve_rcpsp``) proven on PSPLIB (``load_pspl
 from concerto_jax.scheduler.checker import (
     ScheduleError,
     check_events,
+    check_rcpsp,
     check_timeline,
     peak_memory,
 )
 from concerto_jax.scheduler.decode import decode, order_by_keys
+from concerto_jax.scheduler.fusion import (
+    CostFn,
+    FusionResult,
+    alpha_beta,
+    build_fused_graph,
+    fuse_collectives,
+)
 from concerto_jax.scheduler.evaluate import (
     Timeline,
     critical_path,
@@ -41,6 +49,11 @@ from concerto_jax.scheduler.rcpsp import (
 from concerto_jax.scheduler.schedule import ScheduleOptions, ScheduleResult, schedule
 
 __all__ = [
+    "CostFn",
+    "FusionResult",
+    "alpha_beta",
+    "build_fused_graph",
+    "fuse_collectives",
     "OddEvenOptions",
     "OddEvenResult",
     "ProgramSolution",
@@ -54,6 +67,7 @@ __all__ = [
     "SolverParams",
     "Timeline",
     "check_events",
+    "check_rcpsp",
     "check_timeline",
     "critical_path",
     "decode",

@@ -100,3 +100,34 @@ def check_events(
     tl = simulate(graph, events)
     check_timeline(graph, tl.start, tl.end, memory_limit_bytes)
     return tl
+
+
+def check_rcpsp(instance, starts: Sequence[int]) -> int:
+    """Raise ``ScheduleError`` unless ``starts`` is feasible for the RCPSP ``instance``.
+
+    Invariants: precedence (``start[s] >= start[i] + duration[i]``) and, at every time,
+    the demand of the running tasks on each resource is at most its capacity.
+
+    Returns:
+      The makespan.
+    """
+    dur = instance.durations
+    n = instance.num_tasks
+    if len(starts) != n:
+        raise ScheduleError(f"expected {n} start times, got {len(starts)}")
+    for i in range(n):
+        if starts[i] < 0:
+            raise ScheduleError(f"task {i} starts at negative time {starts[i]}")
+        for s in instance.successors[i]:
+            if starts[s] < starts[i] + dur[i]:
+                raise ScheduleError(f"task {s} starts at {starts[s]} before its predecessor "
+                                    f"{i} ends at {starts[i] + dur[i]}")
+    points = sorted({starts[i] for i in range(n)})
+    for t in points:
+        running = [i for i in range(n) if starts[i] <= t < starts[i] + dur[i]]
+        for r, cap in enumerate(instance.capacities):
+            used = sum(instance.demands[i][r] for i in running)
+            if used > cap:
+                raise ScheduleError(f"resource {r} uses {used} > capacity {cap} at time {t} "
+                                    f"(tasks {running})")
+    return max((starts[i] + dur[i] for i in range(n)), default=0)

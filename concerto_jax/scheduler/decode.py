@@ -52,18 +52,18 @@ def decode(graph: TaskGraph, start: Sequence[float], end: Sequence[float] | None
     for i in comp:
         m = max(m, end[i])
         pref_end.append(m)
-    key: dict[tuple[int, Phase], tuple[float, float, float, float]] = {}
+    key: dict[tuple[int, Phase], tuple[float, ...]] = {}
     for j, i in enumerate(comp):
-        key[(i, Phase.RUN)] = (j, 2.0, 0.0, topo_pos[i])
+        key[(i, Phase.RUN)] = (j, 2.0, 0.0, 0.0, topo_pos[i])
     preds = graph.preds
     for c in range(n):
         if not tasks[c].is_collective:
             continue
         s = start[c]
-        pos = min(bisect.bisect_right(pref_end, s), bisect.bisect_left(comp_start, s))
+        pos = min(bisect.bisect_right(pref_end, s), bisect.bisect_right(comp_start, s))
         inputs_done = max((end[p] for p in preds[c] if tasks[p].is_collective), default=-_INF)
         pos = max(pos, bisect.bisect_left(comp_start, inputs_done))
-        key[(c, Phase.START)] = (pos, 0.0, s, topo_pos[c])
+        key[(c, Phase.START)] = (pos, 0.0, s, end[c], topo_pos[c])
     succs = graph.succs
     for c in range(n):
         if not tasks[c].is_collective:
@@ -74,11 +74,11 @@ def decode(graph: TaskGraph, start: Sequence[float], end: Sequence[float] | None
             if best is None or k < best:
                 best = k
         if best is None:
-            key[(c, Phase.DONE)] = (_INF, 3.0, end[c], topo_pos[c])
+            key[(c, Phase.DONE)] = (_INF, 3.0, end[c], 0.0, topo_pos[c])
         elif best[1] == 2.0:
-            key[(c, Phase.DONE)] = (best[0], 1.0, end[c], topo_pos[c])
+            key[(c, Phase.DONE)] = (best[0], 1.0, end[c], 0.0, topo_pos[c])
         else:
-            key[(c, Phase.DONE)] = (best[0], best[1], best[2], best[3] - 0.5)
+            key[(c, Phase.DONE)] = best[:4] + (best[4] - 0.5,)
     return order_by_keys(graph, key)
 
 
@@ -117,4 +117,4 @@ def order_by_keys(graph: TaskGraph, key: dict[tuple[int, Phase], tuple]) -> list
 
 def order_keys(events: Sequence[Event]) -> dict[tuple[int, Phase], tuple]:
     """Keys that reproduce ``events`` through ``order_by_keys``."""
-    return {(e.task, e.phase): (float(pos), 0.0, 0.0, 0.0) for pos, e in enumerate(events)}
+    return {(e.task, e.phase): (float(pos), 0.0, 0.0, 0.0, 0.0) for pos, e in enumerate(events)}

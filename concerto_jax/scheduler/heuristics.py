@@ -123,6 +123,7 @@ def list_schedule(graph: TaskGraph, priority: Sequence[float] | None = None) -> 
                 full.add(k)
                 stash.append((negp, c))
                 continue
+            issue_done_of_preds(c)  # inputs are in (coll_ready <= t): the waits cost nothing
             s = max(t, free.get(k, 0.0))
             end[c] = s + tasks[c].duration_us
             free[k] = end[c]

@@ -20,9 +20,9 @@ from concerto_jax.scheduler.rcpsp import RcpspInstance
 
 @dataclasses.dataclass(frozen=True)
 class Reference:
-    """Known optimum of an instance: ``lo == hi`` when closed, else best bound and best known."""
+    """Known optimum: ``lo == hi`` when closed, else best lower bound (``None``: not given) and best known."""
 
-    lo: int
+    lo: int | None
     hi: int
 
     @property
@@ -72,14 +72,14 @@ def load_psplib(path: str) -> RcpspInstance:
 
 
 def load_optima(csv_path: str) -> dict[str, Reference]:
-    """Read ``optimum.csv`` (columns ``problem,optimum``; optimum ``v`` or ``lo..hi``)."""
+    """Read ``optimum.csv`` (columns ``problem,optimum``; optimum ``v``, ``lo..hi`` or ``..hi``)."""
     out: dict[str, Reference] = {}
     with open(csv_path, newline="") as f:
         for row in csv.DictReader(f):
             value = row["optimum"].strip()
             if ".." in value:
                 lo, hi = value.split("..")
-                out[row["problem"].strip()] = Reference(int(lo), int(hi))
+                out[row["problem"].strip()] = Reference(int(lo) if lo.strip() else None, int(hi))
             else:
                 out[row["problem"].strip()] = Reference(int(value), int(value))
     return out
