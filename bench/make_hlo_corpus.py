@@ -25,7 +25,6 @@ import os
 import pathlib
 import tempfile
 from collections.abc import Callable
-from functools import partial
 
 log = logging.getLogger("make_hlo_corpus")
 

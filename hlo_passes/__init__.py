@@ -39,7 +39,8 @@ Public API (stable; other packages build on it):
 * ``Shape`` (``dtype``, ``dims``, ``layout``, ``elements``, ``is_tuple``,
   ``byte_size``, ``without_layout()``), ``parse_shape(text)``
 * ``parse_replica_groups(text)``, ``format_replica_groups(groups)``
-* ``partition_id_to_replica_id(module)``
+* ``partition_id_to_replica_id(module)``, ``spmd_to_replicated(module)`` (run a
+  per-device SPMD module as N replicas: ids, channels, mesh groups, header)
 * errors: ``HloError``, ``HloParseError``, ``HloVerifyError``
 """
 
@@ -48,7 +49,7 @@ from hlo_passes.ir import Computation, HloModule, Instruction
 from hlo_passes.parser import parse_module
 from hlo_passes.printer import computation_to_text, instruction_to_text, module_to_text
 from hlo_passes.replica_groups import format_replica_groups, parse_replica_groups
-from hlo_passes.rewrites import partition_id_to_replica_id
+from hlo_passes.rewrites import partition_id_to_replica_id, spmd_to_replicated
 from hlo_passes.shapes import Shape, parse_shape
 from hlo_passes.verifier import verify
 from hlo_passes.xla import xla_canonical, xla_parse
@@ -57,5 +58,5 @@ __all__ = [
     "Computation", "HloError", "HloModule", "HloParseError", "HloVerifyError",
     "Instruction", "Shape", "computation_to_text", "format_replica_groups",
     "instruction_to_text", "module_to_text", "parse_module", "parse_replica_groups",
-    "parse_shape", "partition_id_to_replica_id", "verify", "xla_canonical", "xla_parse",
+    "parse_shape", "partition_id_to_replica_id", "spmd_to_replicated", "verify", "xla_canonical", "xla_parse",
 ]

@@ -62,7 +62,7 @@ def parse_pairs(text: str) -> list[tuple[int, int]]:
 
 def format_pairs(pairs) -> str:
     """``[(0, 1)]`` -> ``"{{0,1}}"``."""
-    return "{" + ",".join("{%d,%d}" % (int(a), int(b)) for a, b in pairs) + "}"
+    return "{" + ",".join(f"{{{int(a)},{int(b)}}}" for a, b in pairs) + "}"
 
 
 def parse_groups(text: str) -> list[list[int]]:

@@ -165,7 +165,7 @@ class Shape:
         else:
             dims = ",".join(
                 "?" if d == -1 else (f"<={d}" if dyn else str(d))
-                for d, dyn in zip(self.dims, self.dynamic))
+                for d, dyn in zip(self.dims, self.dynamic, strict=True))
         text = f"{self.dtype}[{dims}]"
         if self.layout is not None:
             text += "{" + self.layout + "}"

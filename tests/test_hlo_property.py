@@ -28,7 +28,7 @@ def modules(draw):
             op_name = draw(OP_NAMES).replace("\\", "\\\\").replace('"', '\\"')
             attrs += f', metadata={{op_name="{op_name}"}}'
         if draw(st.booleans()):
-            attrs += ', frontend_attributes={_scheduling_group_id="%d"}' % k
+            attrs += f', frontend_attributes={{_scheduling_group_id="{k}"}}'
         if draw(st.booleans()):
             op = draw(st.sampled_from(UNARY))
             args = f"%{draw(st.sampled_from(names))}"

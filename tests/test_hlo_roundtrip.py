@@ -129,8 +129,8 @@ def _as_replicas_minimal(module: h.HloModule) -> None:
 
 def _assert_bitwise(ours, ref):
     assert len(ours) == len(ref)
-    for i, (a_dev, b_dev) in enumerate(zip(ours, ref)):
-        for d, (a, b) in enumerate(zip(a_dev, b_dev)):
+    for i, (a_dev, b_dev) in enumerate(zip(ours, ref, strict=True)):
+        for d, (a, b) in enumerate(zip(a_dev, b_dev, strict=True)):
             assert a.dtype == b.dtype and a.shape == b.shape, (i, d)
             assert a.tobytes() == b.tobytes(), f"output {i} differs on device {d}"
 
@@ -167,11 +167,11 @@ def test_spmd_to_replicated_matches_the_jitted_function(name):
                          axis_types=(jax.sharding.AxisType.Auto,) * len(case.mesh_shape))
     fn, args = case.build(mesh)
     shardings = jax.tree.leaves(fn.lower(*args).compile().input_shardings[0])
-    flat = [jax.device_put(a, s) for a, s in zip(jax.tree.leaves(args), shardings)]
+    flat = [jax.device_put(a, s) for a, s in zip(jax.tree.leaves(args), shardings, strict=True)]
     ours = _run(h.module_to_text(module), flat)  # before fn: fn may donate its arguments
     expected = jax.tree.leaves(fn(*args))
     assert len(ours) == len(expected)
-    for out, ref in zip(ours, expected):
+    for out, ref in zip(ours, expected, strict=True):
         for shard in ref.addressable_shards:
             got, want = out[shard.device.id], np.asarray(shard.data)
             if name in _LAST_ULP_CASES:
