@@ -24,8 +24,16 @@ def _exhaustive_optimum(cluster, coll, nbytes, interference):
     grids = np.meshgrid(*[np.asarray(g.values) for g in sp.resources], indexing="ij")
     best = np.inf
     for sub in sp.subspaces():
-        t = nccl_model.nccl_time_grid(cluster, coll, nbytes, sub["algorithm"], sub["protocol"], sub["transport"],
-                                      *grids, interference)
+        t = nccl_model.nccl_time_grid(
+            cluster,
+            coll,
+            nbytes,
+            sub["algorithm"],
+            sub["protocol"],
+            sub["transport"],
+            *grids,
+            interference,
+        )
         best = min(best, float(np.min(t)))
     return best
 
@@ -40,7 +48,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("cluster,coll,nbytes,interference", CASES)
-def test_coordinate_descent_within_5pct_of_exhaustive_under_noise(cluster, coll, nbytes, interference):
+def test_coordinate_descent_within_5pct_of_exhaustive_under_noise(
+    cluster, coll, nbytes, interference
+):
     rng = np.random.default_rng(nbytes % 997)
     space = nccl_model.NCCL_SPACE
 
@@ -49,11 +59,15 @@ def test_coordinate_descent_within_5pct_of_exhaustive_under_noise(cluster, coll,
         return float(np.median(t * (1 + 0.03 * rng.standard_normal(3))))
 
     start = nccl_model.nccl_default_config(cluster, coll, nbytes)
-    res = autoccl.minimize(space, measure, autoccl.SearchOptions(start=start, min_rel_improvement=0.02))
+    res = autoccl.minimize(
+        space, measure, autoccl.SearchOptions(start=start, min_rel_improvement=0.02)
+    )
     true_best = nccl_model.nccl_time(cluster, coll, nbytes, res.best_config, interference)
     opt = _exhaustive_optimum(cluster, coll, nbytes, interference)
-    print(f"{cluster.name} {coll} {nbytes}: {res.evaluations} evaluations of {space.size()}, "
-          f"found/optimum = {true_best / opt:.4f}")
+    print(
+        f"{cluster.name} {coll} {nbytes}: {res.evaluations} evaluations of {space.size()}, "
+        f"found/optimum = {true_best / opt:.4f}"
+    )
     assert true_best <= 1.05 * opt
     assert res.evaluations <= space.size() // 500
     assert true_best <= nccl_model.nccl_time(cluster, coll, nbytes, start, interference) * 1.001
@@ -76,23 +90,35 @@ def test_search_skips_unavailable_subspaces_and_respects_budget():
 def test_restarts_and_topk_pruning():
     space = autoccl.SearchSpace(
         strategy=(autoccl.Choice("s", ("a", "b", "c")),),
-        resources=(autoccl.IntGrid("x", autoccl.linear_grid(0, 99), default=10),
-                   autoccl.IntGrid("y", autoccl.linear_grid(0, 49), default=40)),
+        resources=(
+            autoccl.IntGrid("x", autoccl.linear_grid(0, 99), default=10),
+            autoccl.IntGrid("y", autoccl.linear_grid(0, 49), default=40),
+        ),
     )
     off = {"a": 1.0, "b": 0.7, "c": 1.3}
 
     def f(cfg):
         return off[cfg["s"]] + ((cfg["x"] - 63) / 30) ** 2 + ((cfg["y"] - 12) / 20) ** 2 + 0.3
 
-    res = autoccl.minimize(space, f, autoccl.SearchOptions(restarts=2, subspace_top_k=2, seed=3, min_rel_improvement=0.0))
+    res = autoccl.minimize(
+        space,
+        f,
+        autoccl.SearchOptions(restarts=2, subspace_top_k=2, seed=3, min_rel_improvement=0.0),
+    )
     assert res.best_config == autoccl.Config(s="b", x=63, y=12)
     assert res.evaluations < space.size() // 20
 
 
 def test_space_encode_decode_roundtrip():
     space = nccl_model.NCCL_SPACE
-    cfg = autoccl.Config(algorithm="Tree", protocol="LL128", transport="SHM", nchannels=7, nthreads=256,
-                         chunk_bytes=space.resources[2].values[5])
+    cfg = autoccl.Config(
+        algorithm="Tree",
+        protocol="LL128",
+        transport="SHM",
+        nchannels=7,
+        nthreads=256,
+        chunk_bytes=space.resources[2].values[5],
+    )
     vec = space.encode(cfg)
     assert vec.dtype == np.int32 and space.decode(vec) == cfg
     assert broadcast_decision(space, cfg, True) == (cfg, True)  # single process: identity
@@ -102,7 +128,9 @@ def test_space_encode_decode_roundtrip():
 
 # ----------------------------------------------------------------- online
 def _synthetic_1d():
-    space = autoccl.SearchSpace(resources=(autoccl.IntGrid("b", autoccl.geometric_grid(1, 1 << 20), default=1),))
+    space = autoccl.SearchSpace(
+        resources=(autoccl.IntGrid("b", autoccl.geometric_grid(1, 1 << 20), default=1),)
+    )
 
     def true_time(cfg):  # unimodal: latency per bucket vs. delay of large buckets
         return 0.01 * (1 << 20) / cfg["b"] * 1e-3 + 1e-9 * cfg["b"] + 1e-3
@@ -196,7 +224,9 @@ def test_plan_buckets_properties(sizes, cap):
 def test_dp_step_bucket_count_in_hlo_and_equal_results():
     mesh = Mesh(np.array(jax.devices()), ("dp",))
     rng = np.random.default_rng(0)
-    params = [jnp.asarray(rng.standard_normal(int(s)), jnp.float32) for s in rng.integers(16, 200, 12)]
+    params = [
+        jnp.asarray(rng.standard_normal(int(s)), jnp.float32) for s in rng.integers(16, 200, 12)
+    ]
     batch = jnp.asarray(rng.standard_normal((16, 4)), jnp.float32)
 
     def loss(ps, b):
@@ -215,20 +245,41 @@ def test_dp_step_bucket_count_in_hlo_and_equal_results():
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
     # with XLA:CPU's combiner on, everything collapses into one all-reduce
     step, _ = autoccl.make_dp_step(loss, mesh, "dp", 0, params)
-    assert autoccl.count_all_reduces(autoccl.compile_dp_step(step, params, batch, False).as_text()) == 1
+    assert (
+        autoccl.count_all_reduces(autoccl.compile_dp_step(step, params, batch, False).as_text())
+        == 1
+    )
 
 
 # ----------------------------------------------------------------- knobs
 def test_knobs():
-    cfg = autoccl.Config(algorithm="Tree", protocol="LL128", transport="P2P", nchannels=8, nthreads=256,
-                         chunk_bytes=131072)
+    cfg = autoccl.Config(
+        algorithm="Tree",
+        protocol="LL128",
+        transport="P2P",
+        nchannels=8,
+        nthreads=256,
+        chunk_bytes=131072,
+    )
     env = autoccl.nccl_env(cfg)
-    assert env == {"NCCL_ALGO": "Tree", "NCCL_PROTO": "LL128", "NCCL_SHM_DISABLE": "1", "NCCL_MIN_CTAS": "8",
-                   "NCCL_MAX_CTAS": "8", "NCCL_NTHREADS": "256", "NCCL_BUFFSIZE": str(8 * 131072)}
+    assert env == {
+        "NCCL_ALGO": "Tree",
+        "NCCL_PROTO": "LL128",
+        "NCCL_SHM_DISABLE": "1",
+        "NCCL_MIN_CTAS": "8",
+        "NCCL_MAX_CTAS": "8",
+        "NCCL_NTHREADS": "256",
+        "NCCL_BUFFSIZE": str(8 * 131072),
+    }
     opts = autoccl.gpu_combine_threshold_options({"all-reduce": 1 << 25, "all-gather": 1 << 20})
-    assert opts == {"xla_gpu_all_reduce_combine_threshold_bytes": 1 << 25,
-                    "xla_gpu_all_gather_combine_threshold_bytes": 1 << 20}
-    assert autoccl.xla_flags(autoccl.cpu_compiler_options()) == "--xla_disable_hlo_passes=cpu-all-reduce-combiner"
+    assert opts == {
+        "xla_gpu_all_reduce_combine_threshold_bytes": 1 << 25,
+        "xla_gpu_all_gather_combine_threshold_bytes": 1 << 20,
+    }
+    assert (
+        autoccl.xla_flags(autoccl.cpu_compiler_options())
+        == "--xla_disable_hlo_passes=cpu-all-reduce-combiner"
+    )
     with pytest.raises(ValueError):
         autoccl.gpu_combine_threshold_options({"all-to-all": 1})
 
@@ -245,18 +296,32 @@ def _query(built, table, *queries):
     env = {k: v for k, v in os.environ.items() if k != autoccl.plugin.TABLE_ENV}
     if table is not None:
         env[autoccl.plugin.TABLE_ENV] = str(table)
-    proc = subprocess.run([harness, lib, *queries], capture_output=True, text=True, timeout=30, env=env)
+    proc = subprocess.run(
+        [harness, lib, *queries], capture_output=True, text=True, timeout=30, env=env
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.splitlines()[1:], proc.stderr
 
 
 def test_plugin_answers_per_table(built):
-    tuned = {("all-reduce", 1 << 20): autoccl.Config(algorithm="Tree", protocol="LL128", nchannels=4),
-             ("all-reduce", 1 << 30): autoccl.Config(algorithm="Ring", protocol="Simple", nchannels=32),
-             ("all-gather", 1 << 24): autoccl.Config(algorithm="Ring", protocol="LL", nchannels=0)}
+    tuned = {
+        ("all-reduce", 1 << 20): autoccl.Config(algorithm="Tree", protocol="LL128", nchannels=4),
+        ("all-reduce", 1 << 30): autoccl.Config(algorithm="Ring", protocol="Simple", nchannels=32),
+        ("all-gather", 1 << 24): autoccl.Config(algorithm="Ring", protocol="LL", nchannels=0),
+    }
     table = autoccl.plugin.write_table(autoccl.plugin.rows_from_configs(tuned), built[2] / "t.txt")
-    out, err = _query(built, table, "allreduce", "1000", "allreduce", str(1 << 30), "allgather", "5",
-                      "reducescatter", "5")
+    out, err = _query(
+        built,
+        table,
+        "allreduce",
+        "1000",
+        "allreduce",
+        str(1 << 30),
+        "allgather",
+        "5",
+        "reducescatter",
+        "5",
+    )
     assert out[0].endswith("algo=tree proto=ll128 channels=4")
     assert out[1].endswith("algo=ring proto=simple channels=32")
     assert out[2].endswith("algo=ring proto=ll channels=-1")
@@ -265,9 +330,18 @@ def test_plugin_answers_per_table(built):
     assert autoccl.plugin.plugin_env("a.so", "t.txt")["NCCL_TUNER_PLUGIN"].endswith("a.so")
 
 
-@pytest.mark.parametrize("content", [None, "missing", "allreduce 0 x ring simple 1\n",
-                                     "allreduce 0 10 ring simple\n", "bogus 0 10 ring simple 1\n",
-                                     "allreduce 10 0 ring simple 1\n", "\x00\xff garbage"])
+@pytest.mark.parametrize(
+    "content",
+    [
+        None,
+        "missing",
+        "allreduce 0 x ring simple 1\n",
+        "allreduce 0 10 ring simple\n",
+        "bogus 0 10 ring simple 1\n",
+        "allreduce 10 0 ring simple 1\n",
+        "\x00\xff garbage",
+    ],
+)
 def test_plugin_bad_or_missing_table_keeps_defaults(built, content):
     if content is None:
         table = None

@@ -8,13 +8,21 @@ pytestmark = pytest.mark.multiprocess
 
 
 def test_online_bucket_tuning_two_processes(tmp_path):
-    r = launch(str(tmp_path / "report.json"), num_processes=2, devices_per_process=4, num_grads=32,
-               timeout_s=240, extra_args=("--repeats", "2", "--sweep-repeats", "3"))
+    r = launch(
+        str(tmp_path / "report.json"),
+        num_processes=2,
+        devices_per_process=4,
+        num_grads=32,
+        timeout_s=240,
+        extra_args=("--repeats", "2", "--sweep-repeats", "3"),
+    )
     tun = r["tuning"]
-    print(f"untuned {r['untuned']['median_s'] * 1e3:.1f} ms ({r['untuned']['all_reduces']} all-reduces); "
-          f"tuned bucket {tun['chosen_bucket_bytes']} B -> {tun['chosen_time_s'] * 1e3:.1f} ms "
-          f"({tun['all_reduces']} all-reduces) vs start {tun['start_time_s'] * 1e3:.1f} ms; "
-          f"{tun['evaluations']} evaluations of {tun['grid_size']}, {tun['steps']} steps")
+    print(
+        f"untuned {r['untuned']['median_s'] * 1e3:.1f} ms ({r['untuned']['all_reduces']} all-reduces); "
+        f"tuned bucket {tun['chosen_bucket_bytes']} B -> {tun['chosen_time_s'] * 1e3:.1f} ms "
+        f"({tun['all_reduces']} all-reduces) vs start {tun['start_time_s'] * 1e3:.1f} ms; "
+        f"{tun['evaluations']} evaluations of {tun['grid_size']}, {tun['steps']} steps"
+    )
     assert r["untuned"]["all_reduces"] == 32  # one per gradient, combiner disabled
     assert tun["start_bucket_bytes"] == 0
     # the tuner never ends slower than its start (its own measurements, small noise margin)

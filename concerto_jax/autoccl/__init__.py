@@ -33,16 +33,50 @@ References:
 from concerto_jax.autoccl import nccl_model, plugin
 from concerto_jax.autoccl.buckets import Bucket, plan_buckets
 from concerto_jax.autoccl.dp_step import compile_dp_step, count_all_reduces, make_dp_step
-from concerto_jax.autoccl.knobs import cpu_compiler_options, gpu_combine_threshold_options, nccl_env, xla_flags
+from concerto_jax.autoccl.knobs import (
+    cpu_compiler_options,
+    gpu_combine_threshold_options,
+    nccl_env,
+    xla_flags,
+)
 from concerto_jax.autoccl.online import OnlineTuner, TunerOptions, TuningEvent, TuningResult
 from concerto_jax.autoccl.search import SearchOptions, SearchResult, coordinate_descent, minimize
-from concerto_jax.autoccl.space import Choice, Config, IntGrid, SearchSpace, geometric_grid, linear_grid
+from concerto_jax.autoccl.space import (
+    Choice,
+    Config,
+    IntGrid,
+    SearchSpace,
+    geometric_grid,
+    linear_grid,
+)
 from concerto_jax.autoccl.store import Signature, TuningStore
 
 __all__ = [
-    "Bucket", "Choice", "Config", "IntGrid", "OnlineTuner", "SearchOptions", "SearchResult",
-    "SearchSpace", "Signature", "TunerOptions", "TuningEvent", "TuningResult", "TuningStore",
-    "compile_dp_step", "coordinate_descent", "count_all_reduces", "cpu_compiler_options",
-    "geometric_grid", "gpu_combine_threshold_options", "linear_grid", "make_dp_step", "minimize",
-    "nccl_env", "nccl_model", "plan_buckets", "plugin", "xla_flags",
+    "Bucket",
+    "Choice",
+    "Config",
+    "IntGrid",
+    "OnlineTuner",
+    "SearchOptions",
+    "SearchResult",
+    "SearchSpace",
+    "Signature",
+    "TunerOptions",
+    "TuningEvent",
+    "TuningResult",
+    "TuningStore",
+    "compile_dp_step",
+    "coordinate_descent",
+    "count_all_reduces",
+    "cpu_compiler_options",
+    "geometric_grid",
+    "gpu_combine_threshold_options",
+    "linear_grid",
+    "make_dp_step",
+    "minimize",
+    "nccl_env",
+    "nccl_model",
+    "plan_buckets",
+    "plugin",
+    "xla_flags",
 ]

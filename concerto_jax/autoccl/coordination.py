@@ -33,7 +33,9 @@ def multi_process() -> bool:
     return jax.process_count() > 1
 
 
-def broadcast_decision(space: SearchSpace, config: Config | None, frozen: bool) -> tuple[Config, bool]:
+def broadcast_decision(
+    space: SearchSpace, config: Config | None, frozen: bool
+) -> tuple[Config, bool]:
     """Sends the leader's (config, frozen) to every process.
 
     Args:

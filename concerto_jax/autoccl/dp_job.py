@@ -64,12 +64,29 @@ def launch(
     procs = []
     for i in range(num_processes):
         cmd = [
-            sys.executable, "-m", "concerto_jax.autoccl.dp_job", "--process-id", str(i),
-            "--num-processes", str(num_processes), "--port", str(port),
-            "--devices", str(devices_per_process), "--num-grads", str(num_grads), "--out", out_json,
-            *(["--sweep"] if sweep else []), *extra_args,
+            sys.executable,
+            "-m",
+            "concerto_jax.autoccl.dp_job",
+            "--process-id",
+            str(i),
+            "--num-processes",
+            str(num_processes),
+            "--port",
+            str(port),
+            "--devices",
+            str(devices_per_process),
+            "--num-grads",
+            str(num_grads),
+            "--out",
+            out_json,
+            *(["--sweep"] if sweep else []),
+            *extra_args,
         ]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
     deadline = time.monotonic() + timeout_s
     errors = []
     for i, p in enumerate(procs):
@@ -126,7 +143,9 @@ def _main(argv: list[str] | None = None) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_num_cpu_devices", args.devices)
     jax.distributed.initialize(
-        f"127.0.0.1:{args.port}", num_processes=args.num_processes, process_id=args.process_id,
+        f"127.0.0.1:{args.port}",
+        num_processes=args.num_processes,
+        process_id=args.process_id,
         initialization_timeout=60,
     )
     import jax.numpy as jnp
@@ -142,10 +161,15 @@ def _main(argv: list[str] | None = None) -> None:
 
     mesh = Mesh(np.array(jax.devices()), ("dp",))
     rng = np.random.default_rng(0)  # same on every process
-    host_params = [rng.standard_normal(int(s)).astype(np.float32) * 0.1 for s in rng.integers(64, 1024, args.num_grads)]
+    host_params = [
+        rng.standard_normal(int(s)).astype(np.float32) * 0.1
+        for s in rng.integers(64, 1024, args.num_grads)
+    ]
     host_batch = rng.standard_normal((8 * len(jax.devices()), 16)).astype(np.float32)
     repl, shard = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
-    params = [jax.make_array_from_callback(p.shape, repl, lambda idx, p=p: p[idx]) for p in host_params]
+    params = [
+        jax.make_array_from_callback(p.shape, repl, lambda idx, p=p: p[idx]) for p in host_params
+    ]
     batch = jax.make_array_from_callback(host_batch.shape, shard, lambda idx: host_batch[idx])
     total_bytes = sum(p.nbytes for p in host_params)
 
@@ -164,19 +188,33 @@ def _main(argv: list[str] | None = None) -> None:
             compiled[bucket_bytes] = (exe, len(buckets))
         return compiled[bucket_bytes]
 
-    report: dict = {"num_grads": args.num_grads, "total_grad_bytes": int(total_bytes),
-                    "processes": args.num_processes, "devices_per_process": args.devices}
+    report: dict = {
+        "num_grads": args.num_grads,
+        "total_grad_bytes": int(total_bytes),
+        "processes": args.num_processes,
+        "devices_per_process": args.devices,
+    }
     # 1. untuned baseline: one all-reduce per gradient.
     exe0, n0 = get(0)
     _time_step(exe0, params, batch, 2)
-    report["untuned"] = {"bucket_bytes": 0, "all_reduces": n0,
-                         "median_s": float(np.median(_time_step(exe0, params, batch, args.sweep_repeats)))}
+    report["untuned"] = {
+        "bucket_bytes": 0,
+        "all_reduces": n0,
+        "median_s": float(np.median(_time_step(exe0, params, batch, args.sweep_repeats))),
+    }
     # 2. online tuning inside a training loop.
     space = SearchSpace(resources=(IntGrid("bucket_bytes", BUCKET_SPACE_GRID, default=0),))
     events = []
     tuner = OnlineTuner(
-        space, Signature("grad-buckets", int(total_bytes), f"{args.num_processes}proc x {args.devices}dev"),
-        TunerOptions(warmup_steps=1, repeats=args.repeats, search=SearchOptions(min_rel_improvement=args.min_rel_improvement)),
+        space,
+        Signature(
+            "grad-buckets", int(total_bytes), f"{args.num_processes}proc x {args.devices}dev"
+        ),
+        TunerOptions(
+            warmup_steps=1,
+            repeats=args.repeats,
+            search=SearchOptions(min_rel_improvement=args.min_rel_improvement),
+        ),
         progress=lambda e: events.append([e.step, e.phase, e.config["bucket_bytes"], e.time]),
     )
     p, t_start = params, time.perf_counter()
@@ -191,10 +229,16 @@ def _main(argv: list[str] | None = None) -> None:
         steps += 1
     res = tuner.result
     report["tuning"] = {
-        "chosen_bucket_bytes": res.config["bucket_bytes"], "chosen_time_s": res.time,
-        "start_bucket_bytes": res.start_config["bucket_bytes"], "start_time_s": res.start_time,
-        "evaluations": res.evaluations, "steps": res.steps, "wall_s": time.perf_counter() - t_start,
-        "all_reduces": get(res.config["bucket_bytes"])[1], "events": events, "grid_size": len(BUCKET_SPACE_GRID),
+        "chosen_bucket_bytes": res.config["bucket_bytes"],
+        "chosen_time_s": res.time,
+        "start_bucket_bytes": res.start_config["bucket_bytes"],
+        "start_time_s": res.start_time,
+        "evaluations": res.evaluations,
+        "steps": res.steps,
+        "wall_s": time.perf_counter() - t_start,
+        "all_reduces": get(res.config["bucket_bytes"])[1],
+        "events": events,
+        "grid_size": len(BUCKET_SPACE_GRID),
     }
     # 3. exhaustive sweep (reference).
     if args.sweep:
@@ -202,9 +246,17 @@ def _main(argv: list[str] | None = None) -> None:
         for b in BUCKET_SPACE_GRID:
             exe, n_ar = get(b)
             _time_step(exe, params, batch, 1)
-            sweep.append({"bucket_bytes": b, "all_reduces": n_ar,
-                          "median_s": float(np.median(_time_step(exe, params, batch, args.sweep_repeats)))})
+            sweep.append(
+                {
+                    "bucket_bytes": b,
+                    "all_reduces": n_ar,
+                    "median_s": float(
+                        np.median(_time_step(exe, params, batch, args.sweep_repeats))
+                    ),
+                }
+            )
         report["sweep"] = sweep
+
     # 4. same results between bucket sizes (3 steps from the same start).
     def run3(exe):
         q = params

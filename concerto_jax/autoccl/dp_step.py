@@ -34,7 +34,9 @@ __all__ = ["bucketed_psum", "compile_dp_step", "count_all_reduces", "make_dp_ste
 _ALL_REDUCE = re.compile(r" all-reduce(?:-start)?\(")  # opcode position; names are followed by " ="
 
 
-def bucketed_psum(leaves: list[jax.Array], buckets: list[Bucket], axis_name: str) -> list[jax.Array]:
+def bucketed_psum(
+    leaves: list[jax.Array], buckets: list[Bucket], axis_name: str
+) -> list[jax.Array]:
     """All-reduces ``leaves`` with one ``psum`` per bucket (call inside ``shard_map``).
 
     Args:
@@ -95,19 +97,28 @@ def make_dp_step(
         g_sum = [None] * len(g)
         for pos, i in enumerate(order):
             g_sum[i] = reduced[pos]
-        new = [p - learning_rate * (gs / n) for p, gs in zip(jax.tree.leaves(params), g_sum, strict=True)]
+        new = [
+            p - learning_rate * (gs / n)
+            for p, gs in zip(jax.tree.leaves(params), g_sum, strict=True)
+        ]
         return jax.tree.unflatten(treedef, new), loss[None]
 
     # check_vma=False: no implicit psum of replicated-parameter gradients; ours are the only ones.
     step = jax.shard_map(
-        local, mesh=mesh, in_specs=(P(), P(axis_name)), out_specs=(P(), P(axis_name)), check_vma=False
+        local,
+        mesh=mesh,
+        in_specs=(P(), P(axis_name)),
+        out_specs=(P(), P(axis_name)),
+        check_vma=False,
     )
     return jax.jit(step), buckets
 
 
 def compile_dp_step(step, params, batch, disable_combiner: bool = True):
     """AOT-compiles the step for these arguments (XLA:CPU combiner off unless told otherwise)."""
-    return step.lower(params, batch).compile(compiler_options=cpu_compiler_options(disable_combiner))
+    return step.lower(params, batch).compile(
+        compiler_options=cpu_compiler_options(disable_combiner)
+    )
 
 
 def count_all_reduces(hlo_text: str) -> int:

@@ -57,7 +57,9 @@ def gpu_combine_threshold_options(thresholds: Mapping[str, int]) -> dict[str, in
     out = {}
     for kind, nbytes in thresholds.items():
         if kind not in _GPU_THRESHOLD:
-            raise ValueError(f"unknown collective {kind!r}; expected one of {sorted(_GPU_THRESHOLD)}.")
+            raise ValueError(
+                f"unknown collective {kind!r}; expected one of {sorted(_GPU_THRESHOLD)}."
+            )
         if int(nbytes) < 0:
             raise ValueError(f"threshold for {kind} must be >= 0 bytes, got {nbytes}.")
         out[_GPU_THRESHOLD[kind]] = int(nbytes)

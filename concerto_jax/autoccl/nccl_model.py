@@ -45,9 +45,24 @@ import math
 
 import numpy as np
 
-from concerto_jax.autoccl.space import Choice, Config, IntGrid, SearchSpace, geometric_grid, linear_grid
+from concerto_jax.autoccl.space import (
+    Choice,
+    Config,
+    IntGrid,
+    SearchSpace,
+    geometric_grid,
+    linear_grid,
+)
 
-__all__ = ["ClusterSpec", "NCCL_SPACE", "nccl_default_config", "nccl_time", "nccl_time_grid", "H100_NVLINK_8", "A40_PCIE_2x8"]
+__all__ = [
+    "ClusterSpec",
+    "NCCL_SPACE",
+    "nccl_default_config",
+    "nccl_time",
+    "nccl_time_grid",
+    "H100_NVLINK_8",
+    "A40_PCIE_2x8",
+]
 
 _PROTO = {  # name: (bandwidth efficiency, latency per step [s])
     "LL": (0.50, 0.6e-6),
@@ -71,16 +86,30 @@ class ClusterSpec:
     default_channels: int  # channels NCCL picks by default on this system
     alpha_transport: float = 6e-6  # per-round overhead of the transport phase, seconds
     knee_transport: float = 24 * 1024 * 1024  # bytes in flight (NC*C) where congestion starts
-    proto_rate: float = 0.05e9  # protocol-phase throughput per thread, bytes/s (~25 GB/s per 512-thread CTA)
+    proto_rate: float = (
+        0.05e9  # protocol-phase throughput per thread, bytes/s (~25 GB/s per 512-thread CTA)
+    )
     knee_protocol: float = 24 * 1024  # NC*NT where SM/memory contention starts (peak of that phase)
 
 
 H100_NVLINK_8 = ClusterSpec(
-    "8xH100-NVLink", 8, 370e9, 1.0e-6, default_channels=16, alpha_transport=2e-6, knee_transport=64 * 1024 * 1024,
+    "8xH100-NVLink",
+    8,
+    370e9,
+    1.0e-6,
+    default_channels=16,
+    alpha_transport=2e-6,
+    knee_transport=64 * 1024 * 1024,
 )
 A40_PCIE_2x8 = ClusterSpec(
-    "2x8xA40-PCIe-IB", 16, 12.5e9, 5.0e-6, default_channels=4,
-    knee_transport=6 * 1024 * 1024, proto_rate=0.03e9, knee_protocol=6 * 1024,
+    "2x8xA40-PCIe-IB",
+    16,
+    12.5e9,
+    5.0e-6,
+    default_channels=4,
+    knee_transport=6 * 1024 * 1024,
+    proto_rate=0.03e9,
+    knee_protocol=6 * 1024,
 )
 
 NCCL_SPACE = SearchSpace(
@@ -132,7 +161,9 @@ def nccl_time_grid(
     elif collective in ("all-gather", "reduce-scatter"):
         ring_traffic, ring_steps = (n - 1) / n * nbytes, n - 1
     else:
-        raise ValueError(f"collective must be all-reduce, all-gather or reduce-scatter, got {collective!r}.")
+        raise ValueError(
+            f"collective must be all-reduce, all-gather or reduce-scatter, got {collective!r}."
+        )
     if algorithm == "Ring":
         traffic, steps = ring_traffic, ring_steps
     elif algorithm == "Tree":
@@ -148,7 +179,12 @@ def nccl_time_grid(
     c = np.asarray(chunk_bytes, dtype=np.float64)
     per_channel = traffic / nc / max(steps, 1)  # bytes one channel moves per step
     filled = np.minimum(c, np.maximum(per_channel, 1.0))
-    bw_t = _bottleneck(nc * filled, cluster.alpha_transport, cluster.link_bw * t_bw, cluster.knee_transport * t_knee)
+    bw_t = _bottleneck(
+        nc * filled,
+        cluster.alpha_transport,
+        cluster.link_bw * t_bw,
+        cluster.knee_transport * t_knee,
+    )
     rate = cluster.proto_rate * (1.0 - 0.5 * interference)
     knee_p = cluster.knee_protocol * (1.0 - 0.4 * interference)
     y = nc * nt  # threads working on the protocol phase
@@ -158,12 +194,22 @@ def nccl_time_grid(
     return (latency + traffic / bw)[()]
 
 
-def nccl_time(cluster: ClusterSpec, collective: str, nbytes: int, config: Config, interference: float = 0.0) -> float:
+def nccl_time(
+    cluster: ClusterSpec, collective: str, nbytes: int, config: Config, interference: float = 0.0
+) -> float:
     """Model time (seconds) of one ``NCCL_SPACE`` config."""
     return float(
         nccl_time_grid(
-            cluster, collective, nbytes, config["algorithm"], config["protocol"], config["transport"],
-            config["nchannels"], config["nthreads"], config["chunk_bytes"], interference,
+            cluster,
+            collective,
+            nbytes,
+            config["algorithm"],
+            config["protocol"],
+            config["transport"],
+            config["nchannels"],
+            config["nthreads"],
+            config["chunk_bytes"],
+            interference,
         )
     )
 

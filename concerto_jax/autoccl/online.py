@@ -117,10 +117,14 @@ class OnlineTuner:
         start: Config | None = None,
     ):
         if store is not None and signature is None:
-            raise ValueError("OnlineTuner: a store needs a signature to key the result; pass signature=.")
+            raise ValueError(
+                "OnlineTuner: a store needs a signature to key the result; pass signature=."
+            )
         self.space, self.signature, self.options = space, signature, options
         self.store, self.progress = store, progress
-        self._coordinate = coordination.multi_process() if options.coordinate is None else options.coordinate
+        self._coordinate = (
+            coordination.multi_process() if options.coordinate is None else options.coordinate
+        )
         self._leader = coordination.is_leader() or not self._coordinate
         search_opts = options.search
         if start is not None:
@@ -176,7 +180,9 @@ class OnlineTuner:
         kept = self._samples[self.options.warmup_steps :]
         stats = robust_time(kept, self.options.outlier_mads)
         if stats.rejected:
-            logger.debug("autoccl: %d outlier sample(s) rejected for %s", stats.rejected, self._current)
+            logger.debug(
+                "autoccl: %d outlier sample(s) rejected for %s", stats.rejected, self._current
+            )
         return stats.time
 
     def _decide(self) -> None:
@@ -193,7 +199,11 @@ class OnlineTuner:
     def _leader_step(self) -> tuple[Config, bool]:
         if self._current is None:  # first call
             if self._stored is not None:
-                logger.info("autoccl: reusing stored config for %s: %s", self.signature.key, self._stored["config"])
+                logger.info(
+                    "autoccl: reusing stored config for %s: %s",
+                    self.signature.key,
+                    self._stored["config"],
+                )
                 return self._stored["config"], True
             return next(self._gen), False
         t = self._aggregate()
@@ -228,7 +238,12 @@ class OnlineTuner:
         event = TuningEvent(self._steps, phase, config, t, self._best[0], self._best[1], n)
         logger.info(
             "autoccl[%s] step %d: %s -> %.4g s (best %.4g s, %d evaluated)",
-            phase, self._steps, dict(config), t, self._best[1], n,
+            phase,
+            self._steps,
+            dict(config),
+            t,
+            self._best[1],
+            n,
         )
         if self.progress is not None:
             self.progress(event)
@@ -238,15 +253,26 @@ class OnlineTuner:
         nan = float("nan")
         res = self._search_result
         if self._leader and self._stored is not None:
-            self._result = TuningResult(config, float(self._stored.get("time", nan)), config, nan, 0, 0, True, None)
+            self._result = TuningResult(
+                config, float(self._stored.get("time", nan)), config, nan, 0, 0, True, None
+            )
         elif self._leader and res is not None:
-            t = self._confirm_times.get(config, res.best_time if config == res.best_config else res.start_time)
+            t = self._confirm_times.get(
+                config, res.best_time if config == res.best_config else res.start_time
+            )
             t0 = self._confirm_times.get(res.start_config, res.start_time)
-            self._result = TuningResult(config, t, res.start_config, t0, res.evaluations, self._steps, False, res)
+            self._result = TuningResult(
+                config, t, res.start_config, t0, res.evaluations, self._steps, False, res
+            )
             if self.store is not None:
                 self.store.put(
-                    self.signature, self.space, config, time=t, start_time=t0,
-                    evaluations=res.evaluations, steps=self._steps,
+                    self.signature,
+                    self.space,
+                    config,
+                    time=t,
+                    start_time=t0,
+                    evaluations=res.evaluations,
+                    steps=self._steps,
                 )
         else:  # worker: knows the decision, not the measurements
             self._result = TuningResult(config, nan, self._start, nan, 0, self._steps, False, None)
@@ -254,4 +280,6 @@ class OnlineTuner:
         logger.info("autoccl: frozen on %s after %d steps", dict(config), self._steps)
         if self.progress is not None:
             r = self._result
-            self.progress(TuningEvent(self._steps, "frozen", config, r.time, config, r.time, r.evaluations))
+            self.progress(
+                TuningEvent(self._steps, "frozen", config, r.time, config, r.time, r.evaluations)
+            )

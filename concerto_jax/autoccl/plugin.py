@@ -47,12 +47,20 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = os.path.join(os.path.dirname(__file__), "nccl_tuner")
-LIBRARY_NAME = "libnccl-tuner-concerto.so"  # NCCL_TUNER_PLUGIN=concerto also finds it on LD_LIBRARY_PATH
+LIBRARY_NAME = (
+    "libnccl-tuner-concerto.so"  # NCCL_TUNER_PLUGIN=concerto also finds it on LD_LIBRARY_PATH
+)
 TABLE_ENV = "CONCERTO_NCCL_TUNER_TABLE"
 _SOURCES = ("concerto_tuner.c",)
 _HEADERS = ("concerto_tuner_api.h",)
-_COLLECTIVES = {"all-reduce": "allreduce", "all-gather": "allgather", "reduce-scatter": "reducescatter",
-                "broadcast": "broadcast", "reduce": "reduce", "*": "*"}
+_COLLECTIVES = {
+    "all-reduce": "allreduce",
+    "all-gather": "allgather",
+    "reduce-scatter": "reducescatter",
+    "broadcast": "broadcast",
+    "reduce": "reduce",
+    "*": "*",
+}
 _ALGOS = {"ring": "ring", "tree": "tree"}
 _PROTOS = {"ll": "ll", "ll128": "ll128", "simple": "simple"}
 MAX_BYTES = 2**64 - 1
@@ -65,7 +73,9 @@ class PluginBuildError(RuntimeError):
 def _compiler() -> str:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not cc:
-        raise PluginBuildError("no C compiler found (tried $CC, cc, gcc, clang); install one or set CC.")
+        raise PluginBuildError(
+            "no C compiler found (tried $CC, cc, gcc, clang); install one or set CC."
+        )
     return cc
 
 
@@ -99,7 +109,18 @@ def build_harness(out_dir: str | os.PathLike[str]) -> str:
     """Compiles the small dlopen harness (``nccl_tuner/harness.c``) used by tests; returns its path."""
     os.makedirs(out_dir, exist_ok=True)
     out = os.path.join(os.fspath(out_dir), "concerto_tuner_harness")
-    _run([_compiler(), "-O2", "-I", SOURCE_DIR, "-o", out, os.path.join(SOURCE_DIR, "harness.c"), "-ldl"])
+    _run(
+        [
+            _compiler(),
+            "-O2",
+            "-I",
+            SOURCE_DIR,
+            "-o",
+            out,
+            os.path.join(SOURCE_DIR, "harness.c"),
+            "-ldl",
+        ]
+    )
     return out
 
 
@@ -118,7 +139,9 @@ def ensure_built(cache_dir: str | os.PathLike[str] | None = None) -> str:
       cache_dir: defaults to ``$XDG_CACHE_HOME/concerto_jax/nccl_tuner`` (or ``~/.cache/...``).
     """
     base = cache_dir or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "concerto_jax", "nccl_tuner"
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
+        "concerto_jax",
+        "nccl_tuner",
     )
     target = os.path.join(os.fspath(base), _source_hash())
     lib = os.path.join(target, LIBRARY_NAME)
@@ -155,13 +178,17 @@ class TableRow:
                 "protocols LL/LL128/Simple."
             ) from None
         if not 0 <= self.min_bytes <= self.max_bytes <= MAX_BYTES or self.channels < 0:
-            raise ValueError(f"TableRow {self}: need 0 <= min_bytes <= max_bytes < 2**64 and channels >= 0.")
+            raise ValueError(
+                f"TableRow {self}: need 0 <= min_bytes <= max_bytes < 2**64 and channels >= 0."
+            )
         return f"{coll} {self.min_bytes} {self.max_bytes} {algo} {proto} {self.channels}"
 
 
 def write_table(rows: Iterable[TableRow], path: str | os.PathLike[str]) -> str:
     """Writes the rules (first match wins, so order matters) and returns the path."""
-    lines = ["# concerto_jax NCCL tuner table: collective min_bytes max_bytes algorithm protocol channels"]
+    lines = [
+        "# concerto_jax NCCL tuner table: collective min_bytes max_bytes algorithm protocol channels"
+    ]
     lines += [r.render() for r in rows]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -188,7 +215,11 @@ def rows_from_configs(tuned: Mapping[tuple[str, int], Mapping[str, Any]]) -> lis
         lo = 0
         for i, (nbytes, cfg) in enumerate(items):
             hi = MAX_BYTES if i + 1 == len(items) else int((nbytes * items[i + 1][0]) ** 0.5)
-            rows.append(TableRow(coll, lo, hi, cfg["algorithm"], cfg["protocol"], int(cfg.get("nchannels", 0))))
+            rows.append(
+                TableRow(
+                    coll, lo, hi, cfg["algorithm"], cfg["protocol"], int(cfg.get("nchannels", 0))
+                )
+            )
             lo = hi + 1
     return rows
 

@@ -50,12 +50,16 @@ logger = logging.getLogger(__name__)
 class SearchOptions:
     """Options of the coordinate-descent search."""
 
-    initial_step: int | None = None  # first step along a dimension in grid points (None: a quarter of the grid)
+    initial_step: int | None = (
+        None  # first step along a dimension in grid points (None: a quarter of the grid)
+    )
     grow: int = 2  # step multiplier after a successful move
     max_step: int = 64  # cap on the step, in grid points
     restarts: int = 0  # extra descents per subspace from random starting points
     min_rel_improvement: float = 0.01  # a move counts as better only if time < best*(1-this)
-    subspace_top_k: int | None = None  # descend only in the k subspaces best at their start point (None: all)
+    subspace_top_k: int | None = (
+        None  # descend only in the k subspaces best at their start point (None: all)
+    )
     max_evaluations: int | None = None  # hard budget of distinct measured configs (None: unbounded)
     seed: int = 0  # seed of the restart points
     start: Config | None = None  # starting config of the first subspace (None: space defaults)
@@ -128,7 +132,9 @@ def coordinate_descent(
         t = yield cfg
         t = float(t)
         if np.isnan(t) or t <= 0:
-            logger.warning("autoccl: measurement %r for %s is not a positive time; treated as +inf", t, cfg)
+            logger.warning(
+                "autoccl: measurement %r for %s is not a positive time; treated as +inf", t, cfg
+            )
             t = float("inf")
         cache[cfg] = t
         history.append((cfg, t))

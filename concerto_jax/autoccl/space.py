@@ -134,7 +134,9 @@ def linear_grid(start: int, stop: int, step: int = 1) -> tuple[int, ...]:
 def geometric_grid(start: int, stop: int, factor: float = 2.0) -> tuple[int, ...]:
     """Grid ``start, start*factor, ...`` (rounded, deduplicated) up to ``stop`` inclusive."""
     if start <= 0 or stop < start or factor <= 1.0:
-        raise ValueError(f"geometric_grid needs 0 < start <= stop and factor > 1, got {start}, {stop}, {factor}.")
+        raise ValueError(
+            f"geometric_grid needs 0 < start <= stop and factor > 1, got {start}, {stop}, {factor}."
+        )
     n = int(math.floor(math.log(stop / start, factor) + 1e-9)) + 1
     vals = sorted({int(round(start * factor**i)) for i in range(n)} | {int(stop)})
     return tuple(vals)
@@ -165,7 +167,10 @@ class SearchSpace:
     def subspaces(self) -> list[Config]:
         """All strategy combinations (one empty config when there is no strategy parameter)."""
         combos = itertools.product(*(c.values for c in self.strategy))
-        return [Config(dict(zip((c.name for c in self.strategy), combo, strict=True))) for combo in combos]
+        return [
+            Config(dict(zip((c.name for c in self.strategy), combo, strict=True)))
+            for combo in combos
+        ]
 
     def size(self) -> int:
         """Number of configs in the whole space (what an exhaustive search would measure)."""

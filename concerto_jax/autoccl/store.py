@@ -74,7 +74,9 @@ class TuningStore:
             cfg = Config(rec["config"])
             space.encode(cfg)  # validates every value against the space
         except (KeyError, TypeError, ValueError) as e:
-            logger.warning("autoccl: stored record for %s is invalid (%s); ignoring it", signature.key, e)
+            logger.warning(
+                "autoccl: stored record for %s is invalid (%s); ignoring it", signature.key, e
+            )
             return None
         return {**rec, "config": cfg}
 
