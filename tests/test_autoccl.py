@@ -82,8 +82,8 @@ def test_search_skips_unavailable_subspaces_and_respects_budget():
         return nccl_model.nccl_time(nccl_model.H100_NVLINK_8, "all-gather", 1 << 24, cfg)
 
     res = autoccl.minimize(space, measure, autoccl.SearchOptions(max_evaluations=30))
-    assert res.evaluations == len(calls) <= 30
-    assert len(set(calls)) == len(calls)  # nothing measured twice
+    assert res.evaluations == len(set(calls)) <= 30
+    assert max(calls.count(c) for c in calls) <= 2  # at most one refresh of an incumbent
     assert np.isfinite(res.best_time)
 
 

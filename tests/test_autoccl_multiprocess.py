@@ -14,7 +14,7 @@ def test_online_bucket_tuning_two_processes(tmp_path):
         devices_per_process=4,
         num_grads=32,
         timeout_s=240,
-        extra_args=("--repeats", "2", "--sweep-repeats", "3"),
+        extra_args=("--repeats", "3", "--sweep-repeats", "3"),
     )
     tun = r["tuning"]
     print(

@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Generator
-from typing import Any
 
 import numpy as np
 
@@ -59,6 +58,9 @@ class SearchOptions:
     min_rel_improvement: float = 0.01  # a move counts as better only if time < best*(1-this)
     subspace_top_k: int | None = (
         None  # descend only in the k subspaces best at their start point (None: all)
+    )
+    refresh_incumbent: bool = (
+        True  # re-measure a once-measured incumbent before giving up on a dimension
     )
     max_evaluations: int | None = None  # hard budget of distinct measured configs (None: unbounded)
     seed: int = 0  # seed of the restart points
@@ -107,7 +109,9 @@ def coordinate_descent(
         except StopIteration as stop:
             result = stop.value
 
-    A config already measured is not yielded again (its first time is reused).
+    A config already measured is not yielded again (its time is reused), except that an
+    incumbent measured once is re-measured once before a dimension is given up
+    (``refresh_incumbent``): a single lucky sample must not freeze the search.
 
     Args:
       space: the search space.
@@ -120,9 +124,9 @@ def coordinate_descent(
       AutoCCL NSDI'25 §4.2, Algorithm 2.
     """
     rng = np.random.default_rng(options.seed)
-    cache: dict[Config, float] = {}
+    cache: dict[Config, float] = {}  # config -> current estimate (median of its samples)
+    samples: dict[Config, list[float]] = {}
     history: list[tuple[Config, float]] = []
-    best: list[Any] = [None, float("inf")]  # [config, time]
 
     def evaluate(cfg: Config) -> Generator[Config, float, float]:
         if cfg in cache:
@@ -137,10 +141,32 @@ def coordinate_descent(
             )
             t = float("inf")
         cache[cfg] = t
+        samples[cfg] = [t]
         history.append((cfg, t))
-        if t < best[1]:
-            best[0], best[1] = cfg, t
         return t
+
+    def refresh(
+        sub: Config, x: list[int], dim: int
+    ) -> Generator[Config, float, tuple[list[int], float]]:
+        """Re-measures a lucky-looking incumbent once; moves to a probed neighbour that now wins."""
+        cfg = space.from_indices(sub, x)
+        if len(samples[cfg]) == 1 and np.isfinite(cache[cfg]):
+            t = float((yield cfg))
+            samples[cfg].append(t if t > 0 and not np.isnan(t) else float("inf"))
+            cache[cfg] = float(np.median(samples[cfg]))
+            history.append((cfg, t))
+        fx, best_x = cache[cfg], x
+        for k in range(len(space.resources[dim].values)):
+            y = list(x)
+            y[dim] = k
+            cy = space.from_indices(sub, y)
+            if (
+                cy in cache
+                and better(cache[cy], fx)
+                and cache[cy] < cache[space.from_indices(sub, best_x)]
+            ):
+                best_x = y
+        return best_x, cache[space.from_indices(sub, best_x)]
 
     def better(a: float, b: float) -> bool:
         return a < b * (1.0 - options.min_rel_improvement)
@@ -177,6 +203,9 @@ def coordinate_descent(
                         break
                 if improved:
                     break
+            if not improved and options.refresh_incumbent:
+                x_new, fx = yield from refresh(sub, x, dim)
+                improved, x = x_new != x, x_new
             if not improved:
                 step[dim] = _initial_step(grids[dim], options)
             failed_dims = 0 if improved else failed_dims + 1
@@ -209,9 +238,10 @@ def coordinate_descent(
     except _BudgetExhausted:
         logger.info("autoccl: evaluation budget of %d reached", options.max_evaluations)
     start_time = cache[start] if start in cache else float("inf")
+    best_config = min(cache, key=cache.__getitem__)
     return SearchResult(
-        best_config=best[0],
-        best_time=best[1],
+        best_config=best_config,
+        best_time=cache[best_config],
         start_config=start,
         start_time=start_time,
         evaluations=len(cache),
