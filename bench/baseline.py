@@ -31,7 +31,7 @@ from bench.suite import BenchCase
 log = logging.getLogger(__name__)
 
 COLUMNS = ("case", "status", "model", "layout", "cluster", "mesh", "tasks", "collectives", "compile_s",
-           "xla_step_us", "sync_step_us", "pre_lhs_step_us", "pgle_step_us", "lower_bound_us",
+           "xla_step_us", "sync_step_us", "pre_lhs_step_us", "pgle_step_us", "windowed_einsum_step_us", "lower_bound_us",
            "critical_path_us", "total_compute_us", "total_comm_us", "xla_exposed_comm_us",
            "xla_exposed_comm_pct", "xla_overlap_pct", "xla_speedup_vs_sync", "xla_gap_to_bound_pct",
            "xla_peak_mem_mib", "overlap_slowdown", "note")
@@ -44,12 +44,14 @@ class BaselineOptions:
     Attributes:
       out_dir: where CSV, markdown, trace and Gantt go.
       pgle: also compile with a PGLE profile from our cost model and simulate it.
+      windowed_einsum: also compile with windowed einsum on (threshold 0 MiB) and simulate it.
       trace_case: case whose XLA schedule is exported as Perfetto trace + Gantt PNG (None: first run).
       prefix: file-name prefix of the results.
     """
 
     out_dir: str = "bench/results"
     pgle: bool = False
+    windowed_einsum: bool = False
     trace_case: str | None = None
     prefix: str = "baseline"
 
@@ -79,9 +81,21 @@ def _simulate_text(text: str, cost_model):
 def run_case(case: BenchCase, options: BaselineOptions, *, export_trace: bool = False) -> dict:
     """Compile, build, simulate one case; returns a row of ``COLUMNS``."""
     from concerto_jax.costmodel import CostModel, get_cluster
-    from concerto_jax.simulator import (SimOptions, lower_bounds, order_of, simulate_synchronous,
-                                        write_chrome_trace, write_gantt)
-    from concerto_jax.target import CompileOptions, compile_lowered, costs_from_graph, topology, write_profile
+    from concerto_jax.simulator import (
+        SimOptions,
+        lower_bounds,
+        order_of,
+        simulate_synchronous,
+        write_chrome_trace,
+        write_gantt,
+    )
+    from concerto_jax.target import (
+        CompileOptions,
+        compile_lowered,
+        costs_from_graph,
+        topology,
+        write_profile,
+    )
     from models.layouts import make_mesh
     from models.registry import MODELS, make_case
 
@@ -98,7 +112,7 @@ def run_case(case: BenchCase, options: BaselineOptions, *, export_trace: bool = 
     mesh = make_mesh(case.layout, case.mesh_shape, devices=devices)
     preset, cfg = _config(MODELS[case.model], case)
     lowered = make_case(case.model, case.layout, cfg, mesh=mesh).lower()
-    tc = compile_lowered(lowered, cluster, CompileOptions(dump_lhs=True))
+    tc = compile_lowered(lowered, cluster, CompileOptions(dump_lhs=True, extra=case.xla_options))
     built, xla = _simulate_text(tc.final_text, cost_model)
     g = built.graph
     sim_opts = SimOptions(overlap_slowdown=cost_model.options.overlap_slowdown)
@@ -110,9 +124,16 @@ def run_case(case: BenchCase, options: BaselineOptions, *, export_trace: bool = 
         pre_built = _simulate_text(tc.before_lhs_text, cost_model)[0]
         with tempfile.TemporaryDirectory() as d:
             path = write_profile(os.path.join(d, "profile.pbtxt"), costs_from_graph(pre_built.graph))
-            tp = compile_lowered(lowered, cluster, CompileOptions(pgle_profile=path, dump_lhs=False))
+            tp = compile_lowered(lowered, cluster, CompileOptions(pgle_profile=path, dump_lhs=False,
+                                                                      extra=case.xla_options))
         pgle_step = round(_simulate_text(tp.final_text, cost_model)[1].step_time_us, 1)
+    we_step = ""
+    if options.windowed_einsum:
+        tw = compile_lowered(lowered, cluster, CompileOptions(windowed_einsum_mib=0, dump_lhs=False,
+                                                              extra=case.xla_options))
+        we_step = round(_simulate_text(tw.final_text, cost_model)[1].step_time_us, 1)
     row.update(
+        windowed_einsum_step_us=we_step,
         status=f"ok ({preset}, {', '.join(f'{k}={v}' for k, v in case.overrides if hasattr(cfg, k))})",
         tasks=len(g), collectives=sum(t.is_collective for t in g.tasks), compile_s=round(tc.compile_s, 1),
         xla_step_us=round(xla.step_time_us, 1), sync_step_us=round(sync.step_time_us, 1),
@@ -136,7 +157,7 @@ def run_case(case: BenchCase, options: BaselineOptions, *, export_trace: bool = 
 
 def _markdown(rows: Sequence[dict], cost_desc: dict, elapsed: float) -> str:
     cols = ("case", "cluster", "mesh", "tasks", "collectives", "xla_step_us", "sync_step_us", "pre_lhs_step_us",
-            "pgle_step_us", "lower_bound_us", "xla_exposed_comm_pct", "xla_overlap_pct", "xla_speedup_vs_sync",
+            "pgle_step_us", "windowed_einsum_step_us", "lower_bound_us", "xla_exposed_comm_pct", "xla_overlap_pct", "xla_speedup_vs_sync",
             "xla_gap_to_bound_pct")
     out = ["# Baseline: stock XLA schedule vs program order vs lower bound (simulated)", "",
            "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -148,7 +169,8 @@ def _markdown(rows: Sequence[dict], cost_desc: dict, elapsed: float) -> str:
     out += ["", "Columns: times in microseconds per step on one device, simulated with the cost model;",
             "`xla` = XLA's final order (LHS on), `sync` = same graph and order with every collective synchronous,",
             "`pre_lhs` = order of the module XLA's LHS received, `pgle` = XLA recompiled with a PGLE profile from our",
-            "cost model (empty unless `--pgle`), bound = max(total compute, total comm, critical path).",
+            "cost model (empty unless `--pgle`), `windowed_einsum` = XLA with windowed einsum at threshold 0 MiB\n"
+            "(empty unless `--windowed-einsum`), bound = max(total compute, total comm, critical path).",
             "exposed % = communication time with no kernel running / step; overlap % = share of communication hidden.",
             "", f"Cost model: overlap slowdown {rows[0].get('overlap_slowdown') if rows else ''} (configured, not "
             "measured); compute and collective options: " + str(cost_desc.get("options", {})), "",

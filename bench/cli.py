@@ -16,6 +16,8 @@ def main(argv=None) -> int:
     b.add_argument("--case", action="append", help="run only this case (repeatable)")
     b.add_argument("--quick", action="store_true", help="run only the quick subset")
     b.add_argument("--pgle", action="store_true", help="also compile with a PGLE profile from our cost model")
+    b.add_argument("--windowed-einsum", action="store_true",
+                   help="also compile with windowed einsum (collective matmul) on")
     b.add_argument("--out", default="bench/results", help="output directory")
     b.add_argument("--prefix", default=None, help="result file prefix (default: baseline[_quick])")
     b.add_argument("--trace-case", default=None, help="case exported as Perfetto trace + Gantt PNG")
@@ -44,6 +46,7 @@ def main(argv=None) -> int:
         cases = list(suite.SUITE)
     prefix = args.prefix or ("baseline_quick" if args.quick or args.case else "baseline")
     rows = baseline.run_baseline(cases, baseline.BaselineOptions(out_dir=args.out, pgle=args.pgle,
+                                                                  windowed_einsum=args.windowed_einsum,
                                                                   trace_case=args.trace_case, prefix=prefix))
     with open(os.path.join(args.out, f"{prefix}.md")) as f:
         sys.stdout.write(f.read())

@@ -2,7 +2,13 @@
 
 import pytest
 
-from concerto_jax.costmodel import CLUSTERS, CollectiveOptions, bus_factor, collective_cost, get_cluster
+from concerto_jax.costmodel import (
+    CLUSTERS,
+    CollectiveOptions,
+    bus_factor,
+    collective_cost,
+    get_cluster,
+)
 
 
 def test_specs_from_target_config_match_datasheets():

@@ -4,8 +4,22 @@ import json
 
 import pytest
 
-from concerto_jax.simulator import SimOptions, lower_bounds, simulate, simulate_synchronous, write_chrome_trace
-from concerto_jax.taskgraph import CollectiveInfo, Event, Phase, Task, TaskGraph, TaskGraphError, TaskKind
+from concerto_jax.simulator import (
+    SimOptions,
+    lower_bounds,
+    simulate,
+    simulate_synchronous,
+    write_chrome_trace,
+)
+from concerto_jax.taskgraph import (
+    CollectiveInfo,
+    Event,
+    Phase,
+    Task,
+    TaskGraph,
+    TaskGraphError,
+    TaskKind,
+)
 
 NO_SLOW = SimOptions(overlap_slowdown=1.0)
 

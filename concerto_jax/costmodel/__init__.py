@@ -28,7 +28,14 @@ from concerto_jax.costmodel.compute import (
 )
 from concerto_jax.costmodel.model import DEFAULT_OVERLAP_SLOWDOWN, CostModel, CostOptions
 from concerto_jax.costmodel.profile_store import ProfileStore, signature
-from concerto_jax.costmodel.specs import A100_SXM_80, A800_SXM_80, H100_PCIE, H100_SXM, GpuSpec, LinkSpec
+from concerto_jax.costmodel.specs import (
+    A100_SXM_80,
+    A800_SXM_80,
+    H100_PCIE,
+    H100_SXM,
+    GpuSpec,
+    LinkSpec,
+)
 
 __all__ = [
     "ArrayInfo", "ComputeOptions", "CostModel", "CostOptions", "DEFAULT_OVERLAP_SLOWDOWN", "FREE_OPCODES",

@@ -70,7 +70,7 @@ class Cluster:
         return specs.gpu_spec_from_target_config(self.target_config_text(), fallback=self.gpu)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _read_target(file_name: str) -> str:
     return resources.files("concerto_jax").joinpath("targets", file_name).read_text()
 

@@ -28,7 +28,6 @@ from concerto_jax.simulator.result import SimResult, TaskTiming, summarize
 from concerto_jax.taskgraph import COMPUTE_STREAM, Event, Phase, TaskGraph, TaskGraphError
 
 
-
 @dataclasses.dataclass(frozen=True)
 class SimOptions:
     """Simulator settings.

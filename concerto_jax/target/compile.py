@@ -59,7 +59,7 @@ def gpu_plugin_available() -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def topology(cluster: Cluster):
     """The deviceless ``TopologyDescription`` of ``cluster`` (devices 0..n-1, host-major)."""
     require_gpu_plugin()
