@@ -104,3 +104,17 @@ def test_cpu_profile_of_a_small_program():
     prof = profile_module_on_cpu(parse_module(compiled.as_text()), repeats=3)
     assert prof.measured >= 1 and not prof.failed
     assert all(e.us >= 0 for e in prof.store.entries.values())
+
+
+def test_cudnn_convolution_flops_forward_and_backward():
+    x, w, y = A("bf16", 4, 56, 56, 64), A("bf16", 128, 3, 3, 64), A("bf16", 4, 56, 56, 128)
+    scratch = (ArrayInfo("u8", (0,)),)
+    flops = 2 * 4 * 56 * 56 * 128 * 3 * 3 * 64
+    attrs = {"dim_labels": "b01f_o01i->b01f", "window": "{size=3x3 pad=1_1x1_1}"}
+    fwd = OpInfo("f", "custom-call", y + scratch, (x, w), {**attrs, "custom_call_target": "__cudnn$convForward"})
+    bwi = OpInfo("i", "custom-call", x + scratch, (y, w),
+                 {**attrs, "custom_call_target": "__cudnn$convBackwardInput"})
+    bwf = OpInfo("w", "custom-call", w + scratch, (x, y),
+                 {**attrs, "custom_call_target": "__cudnn$convBackwardFilter"})
+    for op in (fwd, bwi, bwf):
+        assert dict(work_of(op).matmul_flops)["bf16"] == flops

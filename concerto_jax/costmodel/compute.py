@@ -150,12 +150,23 @@ def _dot_flops(op: OpInfo) -> float:
 
 
 def _conv_flops(op: OpInfo) -> float:
-    kernel = op.operands[1][0]
+    """2 x |y| x (|w| / out_features) for the forward triple (x, w, y) of a convolution.
+
+    cuDNN custom-calls keep the forward ``dim_labels``: forward has y = result,
+    w = operand 1; backward-input has y = operand 0 (dy), w = operand 1;
+    backward-filter has y = operand 1 (dy), w = result (dw).
+    """
+    target = op.attrs.get("custom_call_target", "")
+    if "BackwardInput" in target:
+        y, w = op.operands[0][0], op.operands[1][0]
+    elif "BackwardFilter" in target:
+        y, w = op.operands[1][0], op.result[0]
+    else:
+        y, w = op.result[0], op.operands[1][0]
     labels = op.attrs.get("dim_labels", "")
     kernel_labels = labels.split("_")[1].split("->")[0] if "_" in labels else ""
-    out_feat = kernel.dims[kernel_labels.index("o")] if "o" in kernel_labels else 1
-    per_output = kernel.elements / max(out_feat, 1)
-    return 2.0 * op.result[0].elements * per_output
+    out_feat = w.dims[kernel_labels.index("o")] if "o" in kernel_labels and len(w.dims) == len(kernel_labels) else 1
+    return 2.0 * y.elements * w.elements / max(out_feat, 1)
 
 
 def _operand_dtype(op: OpInfo) -> str:
