@@ -283,8 +283,8 @@ def run_cpu_validation(out_dir: str = "bench/results", prefix: str = "baseline_c
     md += ["", f"Mean |error|: per-kernel store {mean_abs([r.store_error_pct for r in rows]):.1f} %, "
            f"analytic {mean_abs([r.analytic_error_pct for r in rows]):.1f} %.",
            f"CPU spec: {spec.sources[0]}.",
-           "Per-kernel store: every kernel of XLA:CPU's optimized module compiled alone and timed (median, "
-           "dispatch overhead subtracted), summed by the simulator. Shared 2-core machine: timings are noisy."]
+           "Per-kernel store: every kernel of XLA:CPU's optimized module compiled alone and timed (minimum over "
+           "repeats, dispatch overhead subtracted), summed by the simulator. Shared 2-core machine: timings are noisy."]
     with open(os.path.join(out_dir, prefix + ".md"), "w") as f:
         f.write("\n".join(md) + "\n")
     return rows
