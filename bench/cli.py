@@ -25,10 +25,16 @@ def main(argv=None) -> int:
     v = sub.add_parser("validate-cpu", help="simulated vs measured time of single-device CPU programs")
     v.add_argument("--out", default="bench/results", help="output directory")
     v.add_argument("--repeats", type=int, default=15, help="timed runs per measurement (median)")
+    v.add_argument("--multithreaded", action="store_true", help="keep XLA:CPU's thread pools (noisier)")
     v.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     # The deviceless GPU compile needs JAX on CPU; set before JAX starts (the CLI, not the library).
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if args.command == "validate-cpu" and not args.multithreaded:
+        # One XLA:CPU thread for programs and kernels alike: on a shared 2-core machine multi-threaded
+        # timings depend on what the neighbours run; single-threaded ones compose (sum of kernels).
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   " --xla_cpu_multi_thread_eigen=false").strip()
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     from bench import baseline, suite

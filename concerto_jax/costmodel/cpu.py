@@ -180,7 +180,7 @@ def profile_module_on_cpu(module, *, repeats: int = 15, store: ProfileStore | No
     return KernelProfile(store, measured, tuple(failed), overhead)
 
 
-def measure_cpu_spec(n: int = 1024, stream_elements: int = 1 << 24, repeats: int = 10) -> GpuSpec:
+def measure_cpu_spec(n: int = 1024, stream_elements: int = 1 << 22, repeats: int = 10) -> GpuSpec:
     """A ``GpuSpec`` for the host CPU from microbenchmarks: f32 GEMM rate and streaming bandwidth."""
     import jax
     import jax.numpy as jnp
