@@ -53,12 +53,15 @@ def instances(set_name: str) -> list[str]:
     return sorted((f for f in os.listdir(folder) if f.endswith(".sm")), key=_natural_key)
 
 
-def run(set_name: str, limit: int | None, params: SolverParams, start: int = 0) -> list[Row]:
-    """Solve the first ``limit`` instances of ``set_name`` (from index ``start``)."""
+def run(set_name: str, limit: int | None, params: SolverParams, start: int = 0,
+        only: list[str] | None = None, tag: str = "") -> list[Row]:
+    """Solve the first ``limit`` instances of ``set_name`` (from index ``start``, or ``only``)."""
     folder = os.path.join(PSPLIB_ROOT, set_name)
     optima = load_optima(os.path.join(folder, "optimum", "optimum.csv"))
     names = instances(set_name)[start:]
     names = names[:limit] if limit else names
+    if only:
+        names = [n for n in instances(set_name) if n in set(only)]
     rows: list[Row] = []
     for k, name in enumerate(names):
         inst = load_psplib(os.path.join(folder, name))
@@ -69,7 +72,7 @@ def run(set_name: str, limit: int | None, params: SolverParams, start: int = 0) 
         logger.info("[%d/%d] %s: %d (ref %s) %s %.2fs", k + 1, len(names), name, res.makespan,
                     ref.hi if ref.closed else f"{ref.lo}..{ref.hi}", res.status, res.wall_time_s)
         if (k + 1) % 20 == 0 or k + 1 == len(names):
-            _write(set_name, rows, params, limit, start)
+            _write(set_name, rows, params, limit, start, tag)
     return rows
 
 
@@ -90,9 +93,9 @@ def summary(rows: list[Row]) -> dict:
     }
 
 
-def _write(set_name: str, rows: list[Row], params: SolverParams, limit, start) -> None:
+def _write(set_name: str, rows: list[Row], params: SolverParams, limit, start, tag="") -> None:
     os.makedirs(RESULTS, exist_ok=True)
-    base = os.path.join(RESULTS, f"psplib_{set_name}")
+    base = os.path.join(RESULTS, f"psplib_{set_name}{tag}")
     with open(base + ".csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow([fl.name for fl in dataclasses.fields(Row)])
@@ -101,7 +104,8 @@ def _write(set_name: str, rows: list[Row], params: SolverParams, limit, start) -
     s = summary(rows)
     cmd = f"python -m bench.psplib_bench --set {set_name} --time-limit {params.time_limit_s} " \
           f"--workers {params.num_workers}" + (f" --limit {limit}" if limit else "") + \
-          (f" --start {start}" if start else "")
+          (f" --start {start}" if start else "") + \
+          (f" --only {' '.join(r.instance for r in rows)} --tag {tag}" if tag else "")
     lines = [
         f"# PSPLIB {set_name}",
         "",
@@ -134,10 +138,12 @@ def main(argv=None) -> int:
     ap.add_argument("--time-limit", type=float, default=10.0, help="seconds per instance")
     ap.add_argument("--workers", type=int, default=2, help="CP-SAT workers")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only", nargs="+", default=None, help="solve only these instance files")
+    ap.add_argument("--tag", default="", help="suffix of the result file names")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     params = SolverParams(time_limit_s=args.time_limit, num_workers=args.workers, seed=args.seed)
-    rows = run(args.set, args.limit, params, args.start)
+    rows = run(args.set, args.limit, params, args.start, args.only, args.tag)
     s = summary(rows)
     logger.info("%s: %d/%d at reference, mean dev %.3f%%, mean %.2fs/instance", args.set,
                 s["at_reference"], s["instances"], s["mean_dev_pct"], s["mean_wall_s"])

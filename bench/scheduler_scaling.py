@@ -25,7 +25,7 @@ import random
 import sys
 import time
 
-from concerto_jax.scheduler.evaluate import lower_bound, simulate
+from concerto_jax.scheduler.evaluate import lower_bound
 from concerto_jax.scheduler.oddeven import OddEvenOptions
 from concerto_jax.scheduler.schedule import ScheduleOptions, schedule
 from concerto_jax.taskgraph import CollectiveInfo, Task, TaskGraph, TaskKind

@@ -119,7 +119,7 @@ def test_cp_solution_decodes_to_valid_order():
     g = random_graph(7, 60)
     sol = solve_program(g, SolverParams(time_limit_s=10, num_workers=1, deterministic_time=1.0))
     start = sol.start_us
-    end = [s + t.duration_us for s, t in zip(start, g.tasks)]
+    end = [s + t.duration_us for s, t in zip(start, g.tasks, strict=False)]
     check_timeline(g, start, end, tol=1e-3 * max(1.0, sol.makespan_us))
     ev = decode(g, start)
     check_events(g, ev)
@@ -134,7 +134,7 @@ def test_memory_limit_is_respected_by_the_model():
     free = solve_program(g, SolverParams(time_limit_s=10, num_workers=1))
     tight = solve_program(g, SolverParams(time_limit_s=10, num_workers=1), memory_limit_bytes=150)
     start = list(tight.start_us)
-    end = [s + t.duration_us for s, t in zip(start, g.tasks)]
+    end = [s + t.duration_us for s, t in zip(start, g.tasks, strict=False)]
     check_timeline(g, start, end, memory_limit_bytes=150)
     assert tight.makespan_us > free.makespan_us
     assert peak_memory(g, start, end) <= 150

@@ -21,19 +21,19 @@ from concerto_jax.scheduler.checker import (
     peak_memory,
 )
 from concerto_jax.scheduler.decode import decode, order_by_keys
-from concerto_jax.scheduler.fusion import (
-    CostFn,
-    FusionResult,
-    alpha_beta,
-    build_fused_graph,
-    fuse_collectives,
-)
 from concerto_jax.scheduler.evaluate import (
     Timeline,
     critical_path,
     evaluate,
     lower_bound,
     simulate,
+)
+from concerto_jax.scheduler.fusion import (
+    CostFn,
+    FusionResult,
+    alpha_beta,
+    build_fused_graph,
+    fuse_collectives,
 )
 from concerto_jax.scheduler.heuristics import list_schedule
 from concerto_jax.scheduler.oddeven import OddEvenOptions, OddEvenResult, odd_even

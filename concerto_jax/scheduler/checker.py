@@ -79,7 +79,7 @@ def check_timeline(
             by_stream.setdefault(t.stream, []).append(i)
     for stream, idx in by_stream.items():
         idx.sort(key=lambda i: start[i])
-        for a, b in zip(idx, idx[1:]):
+        for a, b in zip(idx, idx[1:], strict=False):
             if start[b] < end[a] - tol:
                 raise ScheduleError(
                     f"stream {stream}: {tasks[b].name!r} starts at {start[b]} while "

@@ -53,11 +53,11 @@ def list_schedule(graph: TaskGraph, priority: Sequence[float] | None = None) -> 
     t = 0.0
     avail: list[tuple[float, int]] = []  # (-priority, i): compute tasks startable at t
     waiting: list[tuple[float, float, int]] = []  # (ready time, -priority, i)
-    coll_queue: list[tuple[float, int]] = []  # collectives whose predecessors are all issued
+    queues: dict[int, list[tuple[float, int]]] = {}  # per stream: collectives with inputs issued
 
     def release(i: int) -> None:
         if is_coll[i]:
-            heapq.heappush(coll_queue, (-prio[i], i))
+            heapq.heappush(queues.setdefault(tasks[i].stream, []), (-prio[i], i))
         elif coll_ready[i] <= t:
             heapq.heappush(avail, (-prio[i], i))
         else:
@@ -90,15 +90,9 @@ def list_schedule(graph: TaskGraph, priority: Sequence[float] | None = None) -> 
         while waiting and waiting[0][0] <= t:
             _, negp, i = heapq.heappop(waiting)
             heapq.heappush(avail, (negp, i))
-        while coll_queue:  # split newly released collectives: launchable now or blocked
-            negp, c = coll_queue[0]
-            if coll_ready[c] <= t:
-                break
-            heapq.heappop(coll_queue)
-            heapq.heappush(blocked, (coll_ready[c], negp, c))
         while blocked and blocked[0][0] <= t:
             _, negp, c = heapq.heappop(blocked)
-            heapq.heappush(coll_queue, (negp, c))
+            heapq.heappush(queues[tasks[c].stream], (negp, c))
         # The next compute task and when it would finish.
         if avail:
             x, x_start = avail[0][1], t
@@ -111,31 +105,30 @@ def list_schedule(graph: TaskGraph, priority: Sequence[float] | None = None) -> 
         # the next compute task: early enough to overlap it, not so early that a queue of
         # low-priority collectives delays a critical one that becomes ready later.
         launched = False
-        full: set[int] = set()
-        stash = []
-        while coll_queue:
-            negp, c = heapq.heappop(coll_queue)
-            if coll_ready[c] > t:
-                heapq.heappush(blocked, (coll_ready[c], negp, c))
-                continue
-            k = tasks[c].stream
-            if k in full or (launched or x is not None) and free.get(k, 0.0) >= horizon:
-                full.add(k)
-                stash.append((negp, c))
-                continue
-            issue_done_of_preds(c)  # inputs are in (coll_ready <= t): the waits cost nothing
-            s = max(t, free.get(k, 0.0))
-            end[c] = s + tasks[c].duration_us
-            free[k] = end[c]
-            events.append(Event(c, Phase.START))
-            started_colls.append(c)
-            scheduled += 1
-            launched = True
-            issued(c)  # may release compute tasks (waiting) or collectives (coll_queue)
-            if x is None:
-                break  # nothing to overlap: launch one, then look at what it released
-        for item in stash:
-            heapq.heappush(coll_queue, item)
+        for k in sorted(queues, key=lambda k: queues[k][0] if queues[k] else (inf, 0)):
+            q = queues[k]
+            while q:
+                negp, c = q[0]
+                if coll_ready[c] > t:
+                    heapq.heappop(q)
+                    heapq.heappush(blocked, (coll_ready[c], negp, c))
+                    continue
+                if x is None and launched:
+                    break  # nothing to overlap: launch one, then look at what it released
+                if x is not None and free.get(k, 0.0) >= horizon:
+                    break
+                heapq.heappop(q)
+                issue_done_of_preds(c)  # inputs are in (coll_ready <= t): the waits cost nothing
+                s = max(t, free.get(k, 0.0))
+                end[c] = s + tasks[c].duration_us
+                free[k] = end[c]
+                events.append(Event(c, Phase.START))
+                started_colls.append(c)
+                scheduled += 1
+                launched = True
+                issued(c)  # may release compute tasks (waiting) or collectives (queues)
+            if x is None and launched:
+                break
         if launched:
             continue
         if x is None:

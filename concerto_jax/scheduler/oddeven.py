@@ -39,7 +39,7 @@ class OddEvenOptions:
 
     block_size: int = 64  # tasks per window (b)
     rounds: int = 4  # maximum number of rounds (k); blocks shift by b/2 each round
-    block_deterministic_time: float = 0.5  # CP-SAT deterministic time per block
+    block_deterministic_time: float = 0.05  # CP-SAT deterministic time per block
     block_time_limit_s: float = 2.0  # wall-clock safety limit per block
     seed: int = 0  # CP-SAT seed
     time_budget_s: float | None = None  # stop starting new blocks after this many seconds
@@ -103,7 +103,7 @@ def odd_even(graph: TaskGraph, events: Sequence[Event], options: OddEvenOptions 
         order = _order(graph, tl, cur)
         prefix_free = _prefix_free(graph, tl, order)
         bounds = ([0] if offset else []) + list(range(offset, len(order), b)) + [len(order)]
-        for lo, hi in zip(bounds, bounds[1:]):
+        for lo, hi in zip(bounds, bounds[1:], strict=False):
             if _over_budget(options, t0):
                 break
             block = order[lo:hi]
@@ -128,7 +128,7 @@ def odd_even(graph: TaskGraph, events: Sequence[Event], options: OddEvenOptions 
             if sol.makespan_us >= local - 1e-9:
                 continue
             start = list(tl.start)
-            for i, s in zip(sol.tasks, sol.start_us):
+            for i, s in zip(sol.tasks, sol.start_us, strict=False):
                 start[i] = s
             cand = decode(graph, start)
             ctl = simulate(graph, cand)

@@ -56,7 +56,7 @@ def auto_resolution(graph: TaskGraph, tasks: Sequence[int], ticks: int = 100_000
 
 def solve_program(
     graph: TaskGraph,
-    params: SolverParams = SolverParams(),
+    params: SolverParams | None = None,
     *,
     tasks: Sequence[int] | None = None,
     release_us: Mapping[int, float] | None = None,
@@ -70,7 +70,7 @@ def solve_program(
 
     Args:
       graph: the task graph.
-      params: solver parameters.
+      params: solver parameters (default ``SolverParams()``).
       tasks: the task indices to schedule (default: all); dependencies to tasks
         outside are dropped, their effect is given by ``release_us``.
       release_us: earliest start per task (µs), e.g. the end of outside predecessors.
@@ -89,6 +89,7 @@ def solve_program(
     References: Concerto (ASPLOS'25) §4.2.
     """
     t0 = time.perf_counter()
+    params = params or SolverParams()
     subset = list(range(len(graph))) if tasks is None else list(tasks)
     in_set = {i: k for k, i in enumerate(subset)}
     release_us = release_us or {}
@@ -123,11 +124,15 @@ def solve_program(
         k = graph.tasks[i].stream
         per_stream[k] = per_stream.get(k, free.get(k, 0)) + dur[i]
     lb = max([est[i] + tail[i] for i in subset] + list(per_stream.values()) + [0])
+    hint = None
+    if hint_start_us is not None:
+        hint = _retime_hint(graph, order, in_set, dur, rel, free, hint_start_us)
     if horizon_us is not None:
         horizon = max(lb, ticks(horizon_us) + len(subset))  # rounding slack
     else:
         horizon = max(rel.values(), default=0) + sum(dur.values())
-
+    if hint is not None:
+        horizon = max(horizon, max((hint[i] + dur[i] for i in subset), default=0))
     model = cp_model.CpModel()
     task_to_start, task_to_end, task_to_interval = {}, {}, {}
     for i in subset:
@@ -151,9 +156,10 @@ def solve_program(
         _add_memory(model, graph, subset, in_set, task_to_start, task_to_end, horizon,
                     memory_limit_bytes)
     model.minimize(makespan)
-    if hint_start_us is not None:
+    if hint is not None:
         for i in subset:
-            model.add_hint(task_to_start[i], max(est[i], ticks(hint_start_us[i])))
+            model.add_hint(task_to_start[i], hint[i])
+        model.add_hint(makespan, max(lb, max((hint[i] + dur[i] for i in subset), default=0)))
     if params.export_path:
         model.export_to_file(params.export_path)
     solver = make_solver(params)
@@ -170,6 +176,28 @@ def solve_program(
                  len(subset), solver.status_name(status), value, bound, wall)
     return ProgramSolution(solver.status_name(status), tuple(subset), starts,
                            origin + value * res, origin + bound * res, wall)
+
+
+def _retime_hint(graph, order, in_set, dur, rel, free, hint_start_us) -> dict[int, int]:
+    """A feasible start (ticks) per task that keeps the hint's order on every stream.
+
+    Rounding durations to ticks can make the µs hint infeasible, and CP-SAT then has no
+    incumbent; re-timing the hint's order (left-shifted, serial per stream) fixes that.
+    """
+    topo = {i: k for k, i in enumerate(order)}
+    seq = sorted(in_set, key=lambda i: (hint_start_us[i], topo[i]))
+    stream_free = dict(free)
+    out: dict[int, int] = {}
+    for i in seq:
+        k = graph.tasks[i].stream
+        s = max(rel[i], stream_free.get(k, 0) if dur[i] > 0 else 0)
+        for p in graph.preds[i]:
+            if p in out:
+                s = max(s, out[p] + dur[p])
+        out[i] = s
+        if dur[i] > 0:
+            stream_free[k] = s + dur[i]
+    return out
 
 
 def _add_memory(model, graph, subset, in_set, task_to_start, task_to_end, horizon, limit):

@@ -57,7 +57,7 @@ def load_psplib(path: str) -> RcpspInstance:
             raise ValueError(f"{path!r} is multi-mode ({len(task.recipes)} recipes); expected one")
         recipe = task.recipes[0]
         row = [0] * len(caps)
-        for q, r in zip(recipe.demands, recipe.resources):
+        for q, r in zip(recipe.demands, recipe.resources, strict=False):
             row[r] = int(q)
         durations.append(int(recipe.duration))
         demands.append(tuple(row))

@@ -195,7 +195,9 @@ def solve_rcpsp(
     if params.export_path:
         model.export_to_file(params.export_path)
 
-    solver = make_solver(params)
+    # The time limit covers the whole call: the heuristic and model building count too.
+    remaining = params.time_limit_s - (time.perf_counter() - t0)
+    solver = make_solver(dataclasses.replace(params, time_limit_s=max(0.1, remaining)))
     status = solver.solve(model)
     wall = time.perf_counter() - t0
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):

@@ -68,7 +68,7 @@ def resource_lower_bound(instance: RcpspInstance) -> int:
     """Energy bound: max over resources of ceil(sum(duration * demand) / capacity)."""
     best = 0
     for r, cap in enumerate(instance.capacities):
-        energy = sum(d * q[r] for d, q in zip(instance.durations, instance.demands))
+        energy = sum(d * q[r] for d, q in zip(instance.durations, instance.demands, strict=False))
         best = max(best, -(-energy // cap) if cap else 0)
     return best
 
@@ -132,7 +132,7 @@ def serial_sgs_best(instance: RcpspInstance, samples: int = 30, seed: int = 0) -
     horizon = max(tail, default=0)
     rules = [
         [-(horizon - t) for t in tail],  # minimum latest start time (LST)
-        [t + 1e-3 * sum(q) * d for t, q, d in zip(tail, instance.demands, dur)],
+        [t + 1e-3 * sum(q) * d for t, q, d in zip(tail, instance.demands, dur, strict=False)],
     ]
     rng = random.Random(seed)
     for _ in range(samples):
