@@ -6,6 +6,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from concerto_jax.scheduler import ScheduleOptions
+
 
 @dataclasses.dataclass(frozen=True)
 class Options:
@@ -33,12 +35,21 @@ class Options:
     # If set, write the captured and the emitted HLO text of every compiled
     # signature into this directory.
     dump_dir: str | None = None
+    # Target cluster whose cost model drives the passes (a name from
+    # concerto_jax.costmodel.CLUSTERS, e.g. "h100_sxm_8", "h100_sxm_2x8").
+    target: str = "h100_sxm_8"
+    # Scheduler settings of the "schedule" pass (time limits, windows, seed).
+    scheduler: ScheduleOptions = ScheduleOptions()
 
     def __post_init__(self):
         known = {"schedule", "fuse_collectives"}
         unknown = [p for p in self.passes if p not in known]
         if unknown:
             raise ValueError(f"unknown pass name(s) {unknown}; expected some of {sorted(known)}")
+        from concerto_jax.costmodel import CLUSTERS
+
+        if self.target not in CLUSTERS:
+            raise ValueError(f"unknown target {self.target!r}; expected one of {sorted(CLUSTERS)}")
         if not isinstance(self.compiler_options, Mapping):
             raise TypeError(
                 f"compiler_options must be a mapping of XLA option -> value, got "

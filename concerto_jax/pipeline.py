@@ -77,6 +77,8 @@ def run(hlo_text: str, options: Options) -> PipelineResult:
     collectives = count_collectives(
         i.collective_kind for i in module.instructions() if i.is_collective)
 
+    import concerto_jax.passes  # noqa: F401  (registers the passes)
+
     records = []
     t_passes = time.perf_counter()
     for name in options.passes:
