@@ -27,7 +27,7 @@ from typing import Any
 import jax
 
 from concerto_jax import capture as capture_lib
-from concerto_jax import executor, pipeline
+from concerto_jax import executor, multiprocess, pipeline
 from concerto_jax.options import Options
 from concerto_jax.report import Report
 
@@ -123,7 +123,9 @@ class OptimizedStep:
         cap = capture_lib.capture(self._fn, args, kwargs)
         timings = {"capture": cap.seconds}
         try:
-            result = pipeline.run(cap.hlo_text, self.options)
+            # Process 0 decides; every process gets the same plan (or all fall back).
+            result = pipeline.PipelineResult.from_json(multiprocess.leader_decides(
+                cap.hlo_text, lambda: pipeline.run(cap.hlo_text, self.options).to_json()))
             timings.update(result.stage_seconds)
             if self.options.dump_dir:
                 _dump(self.options.dump_dir, name, cap.hlo_text, result.text)

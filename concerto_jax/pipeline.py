@@ -56,6 +56,19 @@ class PipelineResult:
     passes: tuple[PassRecord, ...]
     stage_seconds: dict
 
+    def to_json(self) -> dict:
+        """A JSON-serialisable form (broadcast from the leader process)."""
+        out = dataclasses.asdict(self)
+        out["passes"] = [dataclasses.asdict(p) for p in self.passes]
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict) -> PipelineResult:
+        """Inverse of ``to_json``."""
+        data = dict(data)
+        data["passes"] = tuple(PassRecord(**p) for p in data["passes"])
+        return cls(**data)
+
 
 def run(hlo_text: str, options: Options) -> PipelineResult:
     """Run the pipeline on a captured post-SPMD module.
