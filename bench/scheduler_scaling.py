@@ -143,7 +143,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", type=int, nargs="+", default=[1000, 5000, 20000, 50000, 100000])
     ap.add_argument("--block-size", type=int, nargs="+", default=[OddEvenOptions.block_size])
     ap.add_argument("--rounds", type=int, nargs="+", default=[OddEvenOptions.rounds])
-    ap.add_argument("--budget", type=float, default=None, help="odd-even wall budget (s)")
+    ap.add_argument("--budget", type=float, default=OddEvenOptions.time_budget_s,
+                    help="odd-even wall budget (s)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--name", default="scheduler_scaling")
     args = ap.parse_args(argv)

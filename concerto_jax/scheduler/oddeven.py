@@ -37,12 +37,12 @@ logger = logging.getLogger(__name__)
 class OddEvenOptions:
     """Parameters of the odd-even window search (defaults chosen in bench/scheduler_scaling.py)."""
 
-    block_size: int = 64  # tasks per window (b)
+    block_size: int = 128  # tasks per window (b); chosen in bench/results/scheduler_bk.md
     rounds: int = 4  # maximum number of rounds (k); blocks shift by b/2 each round
     block_deterministic_time: float = 0.05  # CP-SAT deterministic time per block
     block_time_limit_s: float = 2.0  # wall-clock safety limit per block
     seed: int = 0  # CP-SAT seed
-    time_budget_s: float | None = None  # stop starting new blocks after this many seconds
+    time_budget_s: float | None = 20.0  # no new block once it would likely end past this (s)
     memory_limit_bytes: int | None = None  # memory resource inside each block (None: off)
 
 
@@ -94,6 +94,7 @@ def odd_even(graph: TaskGraph, events: Sequence[Event], options: OddEvenOptions 
     solved = skipped = accepted = 0
     idle_rounds = 0
     rounds_run = 0
+    block_cost = 0.0  # wall time of the costliest block so far (budget estimate)
     for rnd in range(options.rounds):
         if _over_budget(options, t0):
             break
@@ -102,9 +103,14 @@ def odd_even(graph: TaskGraph, events: Sequence[Event], options: OddEvenOptions 
         offset = 0 if rnd % 2 == 0 else b // 2
         order = _order(graph, tl, cur)
         prefix_free = _prefix_free(graph, tl, order)
+        tb = None
         bounds = ([0] if offset else []) + list(range(offset, len(order), b)) + [len(order)]
         for lo, hi in zip(bounds, bounds[1:], strict=False):
-            if _over_budget(options, t0):
+            now = time.perf_counter()
+            if tb is not None:
+                block_cost = max(block_cost, now - tb)  # the previous block's wall time
+            tb = now
+            if _over_budget(options, t0, block_cost):
                 break
             block = order[lo:hi]
             if len(block) < 2:
@@ -148,8 +154,10 @@ def odd_even(graph: TaskGraph, events: Sequence[Event], options: OddEvenOptions 
                          time.perf_counter() - t0)
 
 
-def _over_budget(options: OddEvenOptions, t0: float) -> bool:
-    return options.time_budget_s is not None and time.perf_counter() - t0 > options.time_budget_s
+def _over_budget(options: OddEvenOptions, t0: float, last_cost: float = 0.0) -> bool:
+    """Whether another block (estimated to cost ``last_cost`` s) would overrun the budget."""
+    return (options.time_budget_s is not None
+            and time.perf_counter() - t0 + last_cost > options.time_budget_s)
 
 
 def _order(graph: TaskGraph, tl, events: Sequence[Event]) -> list[int]:
