@@ -31,7 +31,8 @@ from bench.suite import BenchCase
 log = logging.getLogger(__name__)
 
 COLUMNS = ("case", "status", "model", "layout", "cluster", "mesh", "tasks", "collectives", "compile_s",
-           "xla_step_us", "sync_step_us", "pre_lhs_step_us", "pgle_step_us", "windowed_einsum_step_us", "lower_bound_us",
+           "lhs_ran", "xla_step_us", "sync_step_us", "pre_lhs_step_us", "pgle_step_us",
+           "windowed_einsum_step_us", "windowed_einsum_changed_module", "lower_bound_us",
            "critical_path_us", "total_compute_us", "total_comm_us", "xla_exposed_comm_us",
            "xla_exposed_comm_pct", "xla_overlap_pct", "xla_speedup_vs_sync", "xla_gap_to_bound_pct",
            "xla_peak_mem_mib", "overlap_slowdown", "note")
@@ -76,6 +77,15 @@ def _simulate_text(text: str, cost_model):
     built = build_taskgraph(parse_module(text), cost_model)
     opts = SimOptions(overlap_slowdown=cost_model.options.overlap_slowdown)
     return built, simulate(built.graph, built.events, opts)
+
+
+def _strip_names(text: str) -> str:
+    """Module text without metadata, backend configs and the fingerprint (to compare two compiles)."""
+    import re
+
+    text = re.sub(r", metadata=\{[^{}]*\}", "", text)
+    text = re.sub(r", backend_config=\{.*?\}(?=(, [a-z_]+=|$))", "", text, flags=re.M)
+    return re.sub(r"fingerprint_before_lhs=\"[0-9a-f]+\"", "", text)
 
 
 def run_case(case: BenchCase, options: BaselineOptions, *, export_trace: bool = False) -> dict:
@@ -127,13 +137,15 @@ def run_case(case: BenchCase, options: BaselineOptions, *, export_trace: bool = 
             tp = compile_lowered(lowered, cluster, CompileOptions(pgle_profile=path, dump_lhs=False,
                                                                       extra=case.xla_options))
         pgle_step = round(_simulate_text(tp.final_text, cost_model)[1].step_time_us, 1)
-    we_step = ""
+    we_step = we_changed = ""
     if options.windowed_einsum:
         tw = compile_lowered(lowered, cluster, CompileOptions(windowed_einsum_mib=0, dump_lhs=False,
                                                               extra=case.xla_options))
         we_step = round(_simulate_text(tw.final_text, cost_model)[1].step_time_us, 1)
+        we_changed = _strip_names(tw.final_text) != _strip_names(tc.final_text)
     row.update(
-        windowed_einsum_step_us=we_step,
+        lhs_ran=tc.before_lhs_text is not None,
+        windowed_einsum_step_us=we_step, windowed_einsum_changed_module=we_changed,
         status=f"ok ({preset}, {', '.join(f'{k}={v}' for k, v in case.overrides if hasattr(cfg, k))})",
         tasks=len(g), collectives=sum(t.is_collective for t in g.tasks), compile_s=round(tc.compile_s, 1),
         xla_step_us=round(xla.step_time_us, 1), sync_step_us=round(sync.step_time_us, 1),
@@ -156,8 +168,8 @@ def run_case(case: BenchCase, options: BaselineOptions, *, export_trace: bool = 
 
 
 def _markdown(rows: Sequence[dict], cost_desc: dict, elapsed: float) -> str:
-    cols = ("case", "cluster", "mesh", "tasks", "collectives", "xla_step_us", "sync_step_us", "pre_lhs_step_us",
-            "pgle_step_us", "windowed_einsum_step_us", "lower_bound_us", "xla_exposed_comm_pct", "xla_overlap_pct", "xla_speedup_vs_sync",
+    cols = ("case", "cluster", "mesh", "tasks", "collectives", "lhs_ran", "xla_step_us", "sync_step_us", "pre_lhs_step_us",
+            "pgle_step_us", "windowed_einsum_step_us", "windowed_einsum_changed_module", "lower_bound_us", "xla_exposed_comm_pct", "xla_overlap_pct", "xla_speedup_vs_sync",
             "xla_gap_to_bound_pct")
     out = ["# Baseline: stock XLA schedule vs program order vs lower bound (simulated)", "",
            "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -172,6 +184,9 @@ def _markdown(rows: Sequence[dict], cost_desc: dict, elapsed: float) -> str:
             "cost model (empty unless `--pgle`), `windowed_einsum` = XLA with windowed einsum at threshold 0 MiB\n"
             "(empty unless `--windowed-einsum`), bound = max(total compute, total comm, critical path).",
             "exposed % = communication time with no kernel running / step; overlap % = share of communication hidden.",
+            "`lhs_ran` = XLA wrote a latency-hiding-scheduler dump (when False, `pre_lhs`/`pgle` are empty: XLA",
+            "scheduled without LHS for this target); `windowed_einsum_changed_module` = the windowed-einsum",
+            "compile differs from the stock one (ignoring metadata and backend configs).",
             "", f"Cost model: overlap slowdown {rows[0].get('overlap_slowdown') if rows else ''} (configured, not "
             "measured); compute and collective options: " + str(cost_desc.get("options", {})), "",
             f"Wall time of the run: {elapsed:.0f} s."]
@@ -283,8 +298,9 @@ def run_cpu_validation(out_dir: str = "bench/results", prefix: str = "baseline_c
     md += ["", f"Mean |error|: per-kernel store {mean_abs([r.store_error_pct for r in rows]):.1f} %, "
            f"analytic {mean_abs([r.analytic_error_pct for r in rows]):.1f} %.",
            f"CPU spec: {spec.sources[0]}.",
-           "Per-kernel store: every kernel of XLA:CPU's optimized module compiled alone and timed (minimum over "
-           "repeats, dispatch overhead subtracted), summed by the simulator. Shared 2-core machine: timings are noisy."]
+           "Per-kernel store: every kernel of XLA:CPU's optimized module compiled alone and timed, summed by the",
+           "simulator. Program, kernels and both dispatch overheads are timed in the same interleaved rounds (best",
+           "of `repeats`), single-threaded Eigen. Shared 2-core machine: timings are noisy."]
     with open(os.path.join(out_dir, prefix + ".md"), "w") as f:
         f.write("\n".join(md) + "\n")
     return rows

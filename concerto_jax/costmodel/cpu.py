@@ -76,17 +76,36 @@ def _args_for(shapes) -> list:
     return out
 
 
-def time_hlo_cpu_us(text: str, param_shapes, repeats: int = 15) -> float:
-    """Best (minimum) wall time of one execution of HLO ``text`` on CPU (dispatch included)."""
+def hlo_cpu_runner(text: str, param_shapes) -> Callable[[], object]:
+    """A callable running HLO ``text`` once on CPU (compiled once, inputs random, result awaited)."""
     import jax
 
     exe = compile_hlo_cpu(text)
     args = _args_for(param_shapes)
 
     def run():
-        jax.block_until_ready(exe.execute_sharded(args).disassemble_into_single_device_arrays())
+        return jax.block_until_ready(exe.execute_sharded(args).disassemble_into_single_device_arrays())
 
-    return _best_us(run, repeats)
+    return run
+
+
+def interleaved_best_us(runners: dict[str, Callable[[], object]], repeats: int, warmup: int = 2) -> dict[str, float]:
+    """Best time of each runner, timed in interleaved rounds so that load drift hits all alike."""
+    for run in runners.values():
+        for _ in range(warmup):
+            run()
+    best = dict.fromkeys(runners, float("inf"))
+    for _ in range(repeats):
+        for key, run in runners.items():
+            t = time.perf_counter()
+            run()
+            best[key] = min(best[key], 1e6 * (time.perf_counter() - t))
+    return best
+
+
+def time_hlo_cpu_us(text: str, param_shapes, repeats: int = 15) -> float:
+    """Best wall time of one execution of HLO ``text`` on CPU (dispatch included)."""
+    return _best_us(hlo_cpu_runner(text, param_shapes), repeats)
 
 
 _TRIVIAL = """HloModule trivial
@@ -150,17 +169,31 @@ class KernelProfile:
     measured: int
     failed: tuple[str, ...]
     overhead_us: float
+    extra_us: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
-def profile_module_on_cpu(module, *, repeats: int = 15, store: ProfileStore | None = None) -> KernelProfile:
-    """Measure every kernel of ``module``'s entry (an ``hlo_passes`` module of XLA:CPU) into a store."""
+def profile_module_on_cpu(module, *, repeats: int = 15, store: ProfileStore | None = None,
+                          extra: dict[str, Callable[[], object]] | None = None) -> KernelProfile:
+    """Measure every kernel of ``module``'s entry (an ``hlo_passes`` module of XLA:CPU) into a store.
+
+    Args:
+      module: XLA:CPU's optimized module, parsed.
+      repeats: interleaved timing rounds (best of).
+      store: store to add to (a new ``ProfileStore("cpu")`` by default).
+      extra: more runners timed in the same rounds (e.g. the whole program and
+        its dispatch overhead); their best times are ``KernelProfile.extra_us``.
+
+    Returns:
+      The store, counts, the standalone-path dispatch overhead and the extra timings.
+    """
     from concerto_jax.costmodel.compute import FREE_OPCODES
     from concerto_jax.hlo_taskgraph import ALIAS_OPCODES, op_info
+    from hlo_passes.shapes import Shape
 
     store = store if store is not None else ProfileStore("cpu")
-    overhead = dispatch_overhead_us()
     failed: list[str] = []
-    measured = 0
+    runners: dict[str, Callable[[], object]] = {"<overhead>": hlo_cpu_runner(_TRIVIAL, [Shape.array("f32", (1,))])}
+    infos = {}
     cache: dict = {}
     for inst in module.entry.instructions:
         if inst.opcode in FREE_OPCODES or inst.opcode in ALIAS_OPCODES:
@@ -169,15 +202,20 @@ def profile_module_on_cpu(module, *, repeats: int = 15, store: ProfileStore | No
         if store.lookup(info) is not None:
             continue
         try:
-            text, shapes = standalone_module(inst)
-            us = max(time_hlo_cpu_us(text, shapes, repeats) - overhead, 0.0)
+            runners[inst.name] = hlo_cpu_runner(*standalone_module(inst))
         except Exception as e:  # XLA rejects some standalone forms; report them
-            log.warning("could not time %s (%s): %s", inst.name, inst.opcode, str(e).splitlines()[0][:160])
+            log.warning("could not compile %s (%s) alone: %s", inst.name, inst.opcode, str(e).splitlines()[0][:160])
             failed.append(inst.name)
             continue
-        store.record(info, us)
-        measured += 1
-    return KernelProfile(store, measured, tuple(failed), overhead)
+        infos[inst.name] = info
+    extra = extra or {}
+    runners.update({f"<extra>{k}": v for k, v in extra.items()})
+    best = interleaved_best_us(runners, repeats)
+    overhead = best.pop("<overhead>")
+    extra_us = {k: best.pop(f"<extra>{k}") for k in extra}
+    for name, us in best.items():
+        store.record(infos[name], max(us - overhead, 0.0))
+    return KernelProfile(store, len(best), tuple(failed), overhead, extra_us)
 
 
 def measure_cpu_spec(n: int = 1024, stream_elements: int = 1 << 22, repeats: int = 10) -> GpuSpec:
@@ -243,12 +281,14 @@ def validate_program(name: str, fn: Callable, args: Sequence, *, cpu_spec: GpuSp
     dev = jax.devices("cpu")[0]
     args = [jax.device_put(a, dev) for a in args]
     compiled = jax.jit(fn).lower(*args).compile()
-    trivial = jax.jit(lambda x: -x).lower(args[0][..., :1] if args[0].ndim else args[0]).compile()
     small = args[0][..., :1] if args[0].ndim else args[0]
-    overhead = _best_us(lambda: jax.block_until_ready(trivial(small)), repeats * 3)
-    measured = max(_best_us(lambda: jax.block_until_ready(compiled(*args)), repeats) - overhead, 1e-3)
+    trivial = jax.jit(lambda x: -x).lower(small).compile()
     module = parse_module(compiled.as_text())
-    prof = profile_module_on_cpu(module, repeats=repeats)
+    # Program, its dispatch overhead (a trivial jitted program) and every kernel timed in the same rounds.
+    prof = profile_module_on_cpu(module, repeats=repeats, extra={
+        "program": lambda: jax.block_until_ready(compiled(*args)),
+        "jit_overhead": lambda: jax.block_until_ready(trivial(small))})
+    measured = max(prof.extra_us["program"] - prof.extra_us["jit_overhead"], 1e-3)
     cluster = get_cluster("h100_sxm_8")  # placement only; single device programs have no collectives
     spec = cpu_spec or measure_cpu_spec()
     opts = CostOptions(compute=CPU_COMPUTE_OPTIONS, overlap_slowdown=1.0)
