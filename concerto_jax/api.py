@@ -15,6 +15,7 @@ step rejects) raises a clear error.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -36,6 +37,16 @@ log = logging.getLogger(__name__)
 
 class ConcertoFallbackWarning(UserWarning):
     """The optimised module could not be built for a signature; the original step runs."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """One compiled signature: our executable (None after a fallback), report, HLO texts."""
+
+    compiled: Any
+    report: Report
+    captured: str
+    emitted: str | None
 
 
 def _leaf_signature(x: Any) -> tuple:
@@ -60,7 +71,7 @@ class OptimizedStep:
             raise TypeError(f"options must be a concerto_jax.Options, got {type(options).__name__}")
         self._fn = fn
         self.options = options or Options()
-        self._cache: dict[tuple, tuple[Any, Report]] = {}
+        self._cache: dict[tuple, _Entry] = {}
         self._last_key: tuple | None = None
         self._warned: set[str] = set()
         self._lock = threading.Lock()
@@ -76,7 +87,7 @@ class OptimizedStep:
                     entry = self._build(args, kwargs)
                     self._cache[key] = entry
         self._last_key = key
-        compiled, _ = entry
+        compiled = entry.compiled
         if compiled is None:
             return self._fn(*args, **kwargs)
         dyn_args, dyn_kwargs = self._static.dynamic(args, kwargs)
@@ -86,11 +97,18 @@ class OptimizedStep:
         """The report of the signature used by the latest call."""
         if self._last_key is None:
             raise RuntimeError("report() is available after the first call of the optimised step")
-        return self._cache[self._last_key][1]
+        return self._cache[self._last_key].report
 
     def reports(self) -> list[Report]:
         """Reports of every compiled signature, in build order."""
-        return [r for _, r in self._cache.values()]
+        return [e.report for e in self._cache.values()]
+
+    def hlo_texts(self) -> tuple[str, str | None]:
+        """(captured post-SPMD module, emitted module or None after a fallback) of the latest call."""
+        if self._last_key is None:
+            raise RuntimeError("hlo_texts() is available after the first call of the optimised step")
+        entry = self._cache[self._last_key]
+        return entry.captured, entry.emitted
 
     def lower(self, *args, **kwargs):
         """The original step's ``lower`` (for inspection)."""
@@ -103,7 +121,8 @@ class OptimizedStep:
         return (treedef, tuple(_leaf_signature(x) for x in leaves),
                 self._static.static_values(args, kwargs))
 
-    def _fallback(self, reason: str, name: str, n_dev: int, stats: dict | None = None):
+    def _fallback(self, reason: str, name: str, n_dev: int, captured: str,
+                  stats: dict | None = None) -> _Entry:
         if reason not in self._warned:
             self._warned.add(reason)
             warnings.warn(
@@ -111,11 +130,12 @@ class OptimizedStep:
                 f"{reason}", ConcertoFallbackWarning, stacklevel=3)
         log.warning("fallback for %s: %s", name, reason)
         stats = stats or {}
-        return None, Report(function=name, num_devices=n_dev, optimized=False,
-                            fallback_reason=reason,
-                            instructions=stats.get("instructions", 0),
-                            collectives=stats.get("collectives", {}),
-                            stage_seconds=stats.get("stage_seconds", {}))
+        report = Report(function=name, num_devices=n_dev, optimized=False,
+                        fallback_reason=reason,
+                        instructions=stats.get("instructions", 0),
+                        collectives=stats.get("collectives", {}),
+                        stage_seconds=stats.get("stage_seconds", {}))
+        return _Entry(None, report, captured, None)
 
     def _build(self, args: tuple, kwargs: dict):
         name = getattr(self._fn, "__name__", "step")
@@ -138,12 +158,12 @@ class OptimizedStep:
             if not self.options.fallback:
                 raise
             return self._fallback(f"{type(e).__name__}: {e}", name, cap.num_partitions,
-                                  {"stage_seconds": timings})
+                                  cap.hlo_text, {"stage_seconds": timings})
         report = Report(function=name, num_devices=cap.num_partitions, optimized=True,
                         instructions=result.instructions, collectives=result.collectives,
                         passes=result.passes, stage_seconds=timings)
         log.info("%s", report)
-        return compiled, report
+        return _Entry(compiled, report, cap.hlo_text, result.text)
 
 
 def _dump(directory: str, name: str, captured: str, emitted: str) -> None:
