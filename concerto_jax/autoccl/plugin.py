@@ -132,12 +132,24 @@ def _source_hash() -> str:
     return h.hexdigest()[:16]
 
 
+def installed_library() -> str | None:
+    """The library built at install time (``setup.py``'s build hook), if it is up to date."""
+    lib = os.path.join(SOURCE_DIR, LIBRARY_NAME)
+    if not os.path.exists(lib):
+        return None
+    newest_source = max(os.path.getmtime(os.path.join(SOURCE_DIR, n)) for n in (*_SOURCES, *_HEADERS))
+    return lib if os.path.getmtime(lib) >= newest_source else None
+
+
 def ensure_built(cache_dir: str | os.PathLike[str] | None = None) -> str:
-    """Returns a built plugin, compiling it once into a cache keyed by the source hash.
+    """Returns a built plugin: the one built at install time if up to date, else one compiled
+    once into a cache keyed by the source hash.
 
     Args:
       cache_dir: defaults to ``$XDG_CACHE_HOME/concerto_jax/nccl_tuner`` (or ``~/.cache/...``).
     """
+    if cache_dir is None and (lib := installed_library()) is not None:
+        return lib
     base = cache_dir or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
         "concerto_jax",
