@@ -107,11 +107,13 @@ class LayerNorm(nn.Module):
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
     epsilon: float = 1e-5
+    use_bias: bool = True  # False where a bias could only shift logits (zero gradient)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         return nn.LayerNorm(
             epsilon=self.epsilon,
+            use_bias=self.use_bias,
             dtype=self.dtype,
             param_dtype=self.param_dtype,
             scale_init=param_init(nn.initializers.ones_init(), ("norm",)),
@@ -200,10 +202,15 @@ class Mlp(nn.Module):
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """Mean softmax cross-entropy with integer labels, computed in float32."""
+    """Mean softmax cross-entropy with integer labels, computed in float32.
+
+    The label logit is picked with a one-hot product (as MaxText does), not a gather:
+    under the 2-D data x dap layout XLA's SPMD partitioner gave a wrong gradient for
+    the ``take_along_axis`` form inside the Evoformer (not reproduced in isolation).
+    """
     logits = logits.astype(jnp.float32)
     logz = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+    picked = jnp.sum(logits * jax.nn.one_hot(labels, logits.shape[-1], dtype=logits.dtype), axis=-1)
     return jnp.mean(logz - picked)
 
 

@@ -3,25 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh
 
-from models import gpt
+from models import evoformer, gpt, vit, wideresnet
 from models.layouts import Layout, get_layout, make_mesh
 from models.spec import ModelSpec
 from models.train import OptimizerOptions, TrainState, TrainStep, build_train_step
 
 logger = logging.getLogger(__name__)
 
-MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in (gpt.SPEC,)}
-
-
-def _register(spec: ModelSpec) -> None:
-    MODELS[spec.name] = spec
+MODELS: dict[str, ModelSpec] = {
+    spec.name: spec for spec in (gpt.SPEC, vit.SPEC, evoformer.SPEC, wideresnet.SPEC)
+}
 
 
 def list_cases() -> list[tuple[str, str]]:
@@ -51,10 +51,19 @@ class Case:
     abstract_batch: dict[str, jax.ShapeDtypeStruct]  # ShapeDtypeStructs with shardings
     train_step: TrainStep  # shardings, logical specs, init function
     spec: ModelSpec
+    optimizer: OptimizerOptions
 
     def init_state(self, seed: int = 0) -> TrainState:
-        """A fresh, placed train state (the step donates its input, so tests need copies)."""
-        return self.train_step.init(jax.random.key(seed))
+        """A fresh train state placed with the layout's shardings.
+
+        The values are computed once per (model, config, seed, optimizer) on one
+        device and cached on the host, so every layout starts from the same numbers
+        (and the step, which donates its input, always gets fresh buffers). For a
+        large preset on a real accelerator mesh prefer the sharded
+        ``case.train_step.init(jax.random.key(seed))``.
+        """
+        host = _host_initial_state(self.model, self.config, self.optimizer, seed)
+        return jax.device_put(host, self.train_step.state_shardings)
 
     def make_batch(self, seed: int = 0) -> dict[str, jax.Array]:
         """The deterministic example batch for ``seed``, placed with its shardings."""
@@ -64,6 +73,19 @@ class Case:
     def lower(self):
         """Traces and lowers the step on the abstract state/batch (allocates nothing)."""
         return self.step.trace(self.abstract_state, self.abstract_batch).lower()
+
+
+@functools.lru_cache(maxsize=32)
+def _host_initial_state(
+    model: str, config: Any, optimizer: OptimizerOptions | None, seed: int
+) -> TrainState:
+    """Initial state as numpy arrays, computed on a single device (same for every layout)."""
+    spec = MODELS[model]
+    layout = get_layout("dp")
+    devices = jax.devices()[:1]
+    built = build_train_step(spec, config, layout, make_mesh(layout, (1,), devices), optimizer)
+    state = built.init(jax.random.key(seed))
+    return jax.tree.map(np.asarray, state)
 
 
 def make_case(
@@ -125,6 +147,7 @@ def make_case(
         abstract_batch=built.abstract_batch,
         train_step=built,
         spec=spec,
+        optimizer=optimizer or OptimizerOptions(),
     )
     if materialize:
         state = case.init_state(seed)

@@ -133,7 +133,7 @@ def build_train_step(
     def update(state: TrainState, grads: Any, loss: jax.Array):
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     if layout.style == "jit":
@@ -163,9 +163,15 @@ def build_train_step(
             loss = jax.lax.pmean(loss, axis)
             return update(state, grads, loss)
 
-        train_step = jax.shard_map(
-            local_step, mesh=mesh, in_specs=(P(), P(axis)), out_specs=(P(), P())
+        # check_vma=False: per-device (pmap-style) gradients, reduced by the explicit
+        # pmean. With vma checking on, JAX would already psum the gradient of the
+        # replicated params in the transpose and the pmean would leave an n-fold sum.
+        sharded_step = jax.shard_map(
+            local_step, mesh=mesh, in_specs=(P(), P(axis)), out_specs=(P(), P()), check_vma=False
         )
+
+        def train_step(state: TrainState, batch: dict[str, jax.Array]):
+            return sharded_step(state, batch)
     else:
         raise ValueError(
             f"layout {layout.name!r}: unknown style {layout.style!r}; expected 'jit' or 'shard_map'"
