@@ -25,12 +25,23 @@ from concerto_jax.scheduler.evaluate import tails
 from concerto_jax.taskgraph import Event, Phase, TaskGraph
 
 
-def list_schedule(graph: TaskGraph, priority: Sequence[float] | None = None) -> list[Event]:
+def list_schedule(
+    graph: TaskGraph,
+    priority: Sequence[float] | None = None,
+    memory_limit_bytes: int | None = None,
+) -> list[Event]:
     """Order the events of ``graph`` by list scheduling.
 
     Args:
       graph: the task graph (acyclic).
       priority: larger first; default: the tail (longest path to the end).
+      memory_limit_bytes: when set, a collective is not launched early while its output
+        would push the live bytes (outputs issued and not yet released by their last
+        user) over the limit; it waits until the compute stream needs it. Compute tasks
+        then run among the ready ones in program order (lowest index first) whenever
+        the critical-path choice would exceed the limit. This is a guide, not a
+        guarantee: ``schedule`` checks the timeline with ``checker.peak_memory`` and
+        falls back to program order.
 
     Returns:
       A valid schedule (``TaskGraph.check_schedule`` passes).
@@ -80,6 +91,23 @@ def list_schedule(graph: TaskGraph, priority: Sequence[float] | None = None) -> 
                 if end[p] > t:
                     t = end[p]
 
+    limit = memory_limit_bytes
+    out_b = [t.out_bytes for t in tasks]
+    users_left = [len(s) for s in succs]
+    live = 0  # bytes of issued outputs whose users are not all issued
+
+    def account(i: int) -> None:
+        nonlocal live
+        if out_b[i] > 0 and users_left[i] > 0:
+            live += out_b[i]
+        for p in preds[i]:
+            users_left[p] -= 1
+            if users_left[p] == 0 and out_b[p] > 0:
+                live -= out_b[p]
+
+    def fits(i: int) -> bool:
+        return limit is None or live + out_b[i] <= limit
+
     for i in range(n):
         if missing[i] == 0:
             release(i)
@@ -117,12 +145,15 @@ def list_schedule(graph: TaskGraph, priority: Sequence[float] | None = None) -> 
                     break  # nothing to overlap: launch one, then look at what it released
                 if x is not None and free.get(k, 0.0) >= horizon:
                     break
+                if x is not None and not fits(c):
+                    break  # memory: launch it later, when the compute stream needs it
                 heapq.heappop(q)
                 issue_done_of_preds(c)  # inputs are in (coll_ready <= t): the waits cost nothing
                 s = max(t, free.get(k, 0.0))
                 end[c] = s + tasks[c].duration_us
                 free[k] = end[c]
                 events.append(Event(c, Phase.START))
+                account(c)
                 started_colls.append(c)
                 scheduled += 1
                 launched = True
@@ -140,13 +171,19 @@ def list_schedule(graph: TaskGraph, priority: Sequence[float] | None = None) -> 
                 raise AssertionError("list_schedule: nothing ready but tasks left (cycle?)")
             break
         if avail and avail[0][1] == x:
-            heapq.heappop(avail)
+            if not fits(x) and len(avail) > 1:
+                x = min(i for _, i in avail)  # memory: program order among the ready ones
+                avail.remove(next(e for e in avail if e[1] == x))
+                heapq.heapify(avail)
+            else:
+                heapq.heappop(avail)
         else:
             heapq.heappop(waiting)
         issue_done_of_preds(x)
         s = max(t, coll_ready[x])
         t = end[x] = s + tasks[x].duration_us
         events.append(Event(x, Phase.RUN))
+        account(x)
         scheduled += 1
         issued(x)
     for c in sorted((c for c in started_colls if not done_issued[c]), key=lambda c: end[c]):

@@ -109,7 +109,7 @@ def solve_program(
     for i in subset:
         rel[i] = max(rel[i], free.get(graph.tasks[i].stream, 0))
     # Forward earliest starts and backward tails inside the window.
-    order = [i for i in graph.topological_order() if i in in_set] if tasks is not None \
+    order = _local_topological_order(graph, subset, in_set) if tasks is not None \
         else graph.topological_order()
     est = dict(rel)
     for i in order:
@@ -176,6 +176,22 @@ def solve_program(
                  len(subset), solver.status_name(status), value, bound, wall)
     return ProgramSolution(solver.status_name(status), tuple(subset), starts,
                            origin + value * res, origin + bound * res, wall)
+
+
+def _local_topological_order(graph: TaskGraph, subset: Sequence[int], in_set) -> list[int]:
+    """A topological order of the window ``subset`` (edges inside it only), in O(window)."""
+    indeg = {i: sum(1 for p in graph.preds[i] if p in in_set) for i in subset}
+    stack = [i for i in reversed(subset) if indeg[i] == 0]
+    out = []
+    while stack:
+        i = stack.pop()
+        out.append(i)
+        for s in graph.succs[i]:
+            if s in indeg:
+                indeg[s] -= 1
+                if indeg[s] == 0:
+                    stack.append(s)
+    return out
 
 
 def _retime_hint(graph, order, in_set, dur, rel, free, hint_start_us) -> dict[int, int]:

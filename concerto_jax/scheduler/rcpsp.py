@@ -5,7 +5,14 @@ from its index, ``AddCumulative`` per resource (``AddNoOverlap`` when a resource
 unary), precedence as linear inequalities, a makespan variable minimised. It is
 tightened with a horizon from a serial schedule-generation heuristic (which also
 provides the solution hint), per-task time windows from forward/backward longest
-paths, and the critical-path and energy lower bounds.
+paths, and the critical-path and energy lower bounds. Strengthening (facts from the
+OR-tools ``rcpsp_sat`` example, our own code): the makespan is also an interval
+``[makespan, horizon]`` demanding each resource's full capacity, so the cumulative
+propagators push it; delayed precedences ``start_j >= end_i + gap`` from the
+transitive closure, ``gap`` the energy bound of the tasks strictly between ``i`` and
+``j`` (kept when longer than the path between them); ``push_all_tasks_toward_start``;
+with 2+ workers the full-problem worker runs a set-times search (earliest start,
+minimum value) beside CP-SAT's scheduling LNS.
 
 References: Concerto (ASPLOS'25) §4.2 (program scheduling as RCPSP); Kolisch &
 Hartmann, "Heuristic algorithms for the RCPSP" (serial SGS).
@@ -25,6 +32,7 @@ from concerto_jax.scheduler.sgs import (
     latest_tails,
     resource_lower_bound,
     serial_sgs_best,
+    topological_order,
 )
 
 logger = logging.getLogger(__name__)
@@ -111,6 +119,89 @@ class RcpspResult:
         return self.makespan == self.lower_bound
 
 
+def energy_delays(instance: RcpspInstance, max_tasks: int = 400) -> list[tuple[int, int, int]]:
+    """``(i, j, gap)``: ``start_j >= end_i + gap`` for ``j`` a transitive successor of ``i``.
+
+    ``gap`` = max over resources of ceil(energy of the tasks strictly between ``i`` and
+    ``j`` / capacity); only gaps longer than the longest path between them are kept
+    (the others are implied by the precedences). Skipped above ``max_tasks`` tasks
+    (the closure is quadratic).
+    """
+    n = instance.num_tasks
+    if n > max_tasks:
+        return []
+    dur = instance.durations
+    succs = instance.successors
+    order = topological_order(succs)
+    after = [0] * n  # bitset of transitive successors
+    for i in reversed(order):
+        b = 0
+        for s in succs[i]:
+            b |= after[s] | (1 << s)
+        after[i] = b
+    before = [0] * n
+    for i in range(n):
+        b = after[i]
+        while b:
+            low = b & -b
+            before[low.bit_length() - 1] |= 1 << i
+            b ^= low
+    energy = [[dur[k] * instance.demands[k][r] for k in range(n)]
+              for r in range(len(instance.capacities))]
+    # Longest path from end_i to start_j (0 for a direct successor).
+    out = []
+    for i in order:
+        b = after[i]
+        while b:
+            low = b & -b
+            j = low.bit_length() - 1
+            b ^= low
+            common = after[i] & before[j]
+            if not common:
+                continue
+            ks = []
+            c = common
+            while c:
+                lo = c & -c
+                ks.append(lo.bit_length() - 1)
+                c ^= lo
+            gap = 0
+            for r, cap in enumerate(instance.capacities):
+                e = sum(energy[r][k] for k in ks)
+                if e:
+                    gap = max(gap, -(-e // cap))
+            path = _longest_between(ks, dur, succs) if gap else 0
+            if gap > path:
+                out.append((i, j, gap))
+    return out
+
+
+def _longest_between(ks, dur, succs) -> int:
+    """Longest chain (durations) through the tasks ``ks`` (all between i and j)."""
+    kset = set(ks)
+    best: dict[int, int] = {}
+    longest = 0
+    # Kahn over the tasks of ks (edges inside ks only).
+    indeg = {k: 0 for k in ks}
+    for k in ks:
+        for s in succs[k]:
+            if s in kset:
+                indeg[s] += 1
+    stack = [k for k in ks if indeg[k] == 0]
+    while stack:
+        k = stack.pop()
+        v = best.get(k, 0) + dur[k]
+        longest = max(longest, v)
+        for s in succs[k]:
+            if s in kset:
+                if v > best.get(s, 0):
+                    best[s] = v
+                indeg[s] -= 1
+                if indeg[s] == 0:
+                    stack.append(s)
+    return longest
+
+
 def make_solver(params: SolverParams) -> cp_model.CpSolver:
     """A ``CpSolver`` configured from ``params``."""
     solver = cp_model.CpSolver()
@@ -171,6 +262,11 @@ def solve_rcpsp(
         task_to_start.append(start)
         task_to_interval.append(interval)
     makespan = model.new_int_var(lb, horizon, "makespan")
+    # The makespan as an interval [makespan, horizon] that fills every resource: the
+    # cumulative propagators then push the makespan too (OR-tools rcpsp_sat sample).
+    makespan_size = model.new_int_var(1, horizon + 1 - lb, "makespan_size")
+    makespan_interval = model.new_interval_var(makespan, makespan_size, horizon + 1,
+                                               "makespan_interval")
     for i in range(n):
         for s in succs[i]:
             model.add(task_to_start[i] + dur[i] <= task_to_start[s])
@@ -180,14 +276,16 @@ def solve_rcpsp(
         users = [i for i in range(n) if instance.demands[i][r] > 0 and dur[i] > 0]
         if not users:
             continue
-        if all(2 * instance.demands[i][r] > cap for i in users):
-            model.add_no_overlap([task_to_interval[i] for i in users])
-        else:
-            model.add_cumulative(
-                [task_to_interval[i] for i in users],
-                [instance.demands[i][r] for i in users],
-                cap,
-            )
+        model.add_cumulative(
+            [task_to_interval[i] for i in users] + [makespan_interval],
+            [instance.demands[i][r] for i in users] + [cap],
+            cap,
+        )
+    # Redundant delayed precedences: every task strictly between i and j in the
+    # precedence order runs inside [end_i, start_j], so that gap is at least the
+    # energy of those tasks on any resource divided by its capacity.
+    for i, j, gap in energy_delays(instance):
+        model.add(task_to_start[i] + dur[i] + gap <= task_to_start[j])
     model.minimize(makespan)
     for i in range(n):
         model.add_hint(task_to_start[i], heur_starts[i])
@@ -198,6 +296,17 @@ def solve_rcpsp(
     # The time limit covers the whole call: the heuristic and model building count too.
     remaining = params.time_limit_s - (time.perf_counter() - t0)
     solver = make_solver(dataclasses.replace(params, time_limit_s=max(0.1, remaining)))
+    # Portfolio: a set-times search (earliest start first, at its minimum value) on the
+    # full-problem worker finds the hard j30 optima far more often than the default
+    # LP-guided one in a 10 s budget (measured in bench/results/psplib_j30.md); the other
+    # worker keeps CP-SAT's scheduling LNS neighbourhoods.
+    if params.num_workers >= 2:
+        model.add_decision_strategy(task_to_start, cp_model.CHOOSE_LOWEST_MIN,
+                                    cp_model.SELECT_MIN_VALUE)
+        solver.parameters.subsolvers.append("fixed")
+        if params.num_workers >= 3:
+            solver.parameters.subsolvers.append("default_lp")
+    solver.parameters.push_all_tasks_toward_start = True
     status = solver.solve(model)
     wall = time.perf_counter() - t0
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):

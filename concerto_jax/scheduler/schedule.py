@@ -84,24 +84,59 @@ def schedule(
     Returns:
       The best schedule found.
 
+    Memory: with ``options.memory_limit_bytes`` set, every candidate (input, list
+    heuristic run with the limit, program order as a fallback, CP-SAT, each odd-even
+    splice) is timed and its ``checker.peak_memory`` compared with the limit; those over
+    it are rejected. So if the input order is within the limit, so is the result. If no
+    candidate is within it, the one with the lowest peak is returned (with a warning).
+
+    Determinism: two calls with the same graph, options and input in one process (or
+    in different processes) return the same schedule as long as no wall-clock limit
+    decides anything. The defaults are reproducible in that sense: the whole-graph
+    CP-SAT solve stops on ``full_model_deterministic_time`` with ``num_workers=1``, and
+    odd-even blocks on ``block_deterministic_time`` with one worker. A wall-clock limit
+    can break determinism when it is what stops the work: ``full_model_time_limit_s``
+    or ``OddEvenOptions.block_time_limit_s`` reached before the deterministic limit
+    (a loaded machine), ``OddEvenOptions.time_budget_s`` cutting the odd-even search
+    after a machine-dependent number of blocks, or ``num_workers > 1`` (CP-SAT's
+    parallel portfolio is not reproducible under a time limit). For bit-identical
+    plans across processes (multi-process runs), decide on one process and broadcast
+    its plan, as ``concerto_jax.multiprocess`` does.
+
     References: Concerto (ASPLOS'25) §4.2-4.4.
     """
     t0 = time.perf_counter()
     graph.validate()
+    limit = options.memory_limit_bytes
     stats: dict = {"tasks": len(graph)}
-    cands: list[tuple[float, str, list[Event]]] = []
+    cands: list[tuple[float, str, list[Event], int]] = []  # (makespan, source, events, peak)
+    rejected: list[tuple[int, float, str, list[Event]]] = []  # over the memory limit
+
+    def consider(source: str, events: list[Event], tl=None) -> float:
+        tl = tl or simulate(graph, events)
+        peak = peak_memory(graph, tl.start, tl.end) if limit is not None else 0
+        if limit is not None and peak > limit:
+            stats[f"{source}_peak_bytes"] = peak
+            rejected.append((peak, tl.makespan, source, events))
+            logger.info("candidate %s rejected: peak %d bytes > limit %d", source, peak, limit)
+        else:
+            cands.append((tl.makespan, source, events, peak))
+        return tl.makespan
+
     input_makespan = None
     if initial is not None:
         initial = list(initial)
         graph.check_schedule(initial)
-        input_makespan = simulate(graph, initial).makespan
-        cands.append((input_makespan, "input", initial))
+        input_makespan = consider("input", initial)
     th = time.perf_counter()
-    heur = list_schedule(graph)
+    heur = list_schedule(graph, memory_limit_bytes=limit)
     htl = simulate(graph, heur)
     stats["heuristic_s"] = time.perf_counter() - th
     stats["heuristic_makespan_us"] = htl.makespan
-    cands.append((htl.makespan, "heuristic", heur))
+    consider("heuristic", heur, htl)
+    if limit is not None and not cands:
+        # Memory fallback: program order, collectives synchronous (no early launches).
+        consider("program", graph.synchronous_schedule())
     lb = lower_bound(graph)
     if len(graph) <= options.full_model_max_tasks and htl.makespan > lb + 1e-9:
         params = SolverParams(time_limit_s=options.full_model_time_limit_s,
@@ -109,19 +144,27 @@ def schedule(
                               deterministic_time=options.full_model_deterministic_time)
         try:
             sol = solve_program(graph, params, hint_start_us=htl.start, horizon_us=htl.makespan,
-                                memory_limit_bytes=options.memory_limit_bytes)
+                                memory_limit_bytes=limit)
             cp_events = decode(graph, sol.start_us)
-            cp_makespan = simulate(graph, cp_events).makespan
+            cp_makespan = consider("cp", cp_events)
             stats.update(cp_status=sol.status, cp_makespan_us=cp_makespan, cp_s=sol.wall_time_s)
-            cands.append((cp_makespan, "cp", cp_events))
         except SchedulerError as err:
             logger.warning("whole-graph CP-SAT solve failed, keeping the heuristic: %s", err)
-    order = {"input": 0, "cp": 1, "heuristic": 2}
-    makespan, source, events = min(cands, key=lambda c: (c[0], order[c[1]]))
+    if not cands:
+        # Nothing within the limit (the input, if any, is over it too): least memory wins.
+        peak, mk, source, events = min(rejected, key=lambda r: (r[0], r[1]))
+        logger.warning("no schedule within the memory limit %d bytes; returning the one with "
+                       "the lowest peak (%d bytes, from %s)", limit, peak, source)
+        cands.append((mk, source, events, peak))
+        limit_for_search = None
+    else:
+        limit_for_search = limit
+    order = {"input": 0, "cp": 1, "heuristic": 2, "program": 3}
+    makespan, source, events, _ = min(cands, key=lambda c: (c[0], order[c[1]]))
     if options.odd_even is not None and makespan > lb + 1e-9 and len(graph) > 2:
         oe_opts = options.odd_even
-        if options.memory_limit_bytes is not None and oe_opts.memory_limit_bytes is None:
-            oe_opts = dataclasses.replace(oe_opts, memory_limit_bytes=options.memory_limit_bytes)
+        if limit_for_search is not None and oe_opts.memory_limit_bytes is None:
+            oe_opts = dataclasses.replace(oe_opts, memory_limit_bytes=limit_for_search)
         oe = odd_even(graph, events, oe_opts)
         stats.update(odd_even_rounds=oe.rounds, odd_even_solved=oe.blocks_solved,
                      odd_even_accepted=oe.blocks_accepted, odd_even_s=oe.wall_time_s)

@@ -1,0 +1,159 @@
+"""Scheduler: memory limit end to end, incremental odd-even splicing, determinism."""
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from concerto_jax.scheduler import (
+    OddEvenOptions,
+    ScheduleOptions,
+    check_events,
+    evaluate,
+    list_schedule,
+    odd_even,
+    peak_memory,
+    schedule,
+    simulate,
+)
+from concerto_jax.scheduler.decode import decode_window
+from concerto_jax.scheduler.evaluate import IncrementalTimeline
+from concerto_jax.taskgraph import CollectiveInfo, Task, TaskGraph, TaskKind
+from tests.test_scheduler import FAST, random_graph
+
+C, K = TaskKind.COMPUTE, TaskKind.COLLECTIVE
+
+
+def prefetch_graph(layers: int = 6, gather_bytes: int = 1000):
+    """Per layer an independent all-gather (weights) feeding one compute; chained compute.
+
+    The list heuristic launches every gather as early as it can, so without a limit the
+    gathered weights of several layers are live at once.
+    """
+    tasks, preds = [], []
+    prev = None
+    for i in range(layers):
+        info = CollectiveInfo("all-gather", gather_bytes, 8, ("g",))
+        tasks.append(Task(f"ag{i}", K, 3.0, 1, out_bytes=gather_bytes, opcode="all-gather",
+                          collective=info))
+        preds.append([])
+        ag = len(tasks) - 1
+        tasks.append(Task(f"f{i}", C, 10.0, 0, out_bytes=10))
+        preds.append([ag] + ([] if prev is None else [prev]))
+        prev = len(tasks) - 1
+    return TaskGraph(tasks, preds)
+
+
+def _peak(g, events):
+    tl = simulate(g, events)
+    return peak_memory(g, tl.start, tl.end)
+
+
+def test_heuristic_respects_memory_limit_when_it_can():
+    g = prefetch_graph()
+    free = list_schedule(g)
+    assert _peak(g, free) > 2100  # several gathered layers live at once
+    limited = list_schedule(g, memory_limit_bytes=2100)
+    check_events(g, limited, memory_limit_bytes=2100)
+    assert evaluate(g, limited) <= evaluate(g, g.synchronous_schedule()) + 1e-9
+
+
+def test_schedule_never_exceeds_limit_when_input_is_within():
+    g = prefetch_graph(layers=8)
+    initial = g.synchronous_schedule()
+    limit = _peak(g, initial)  # the program order's own peak: tight
+    unlimited = schedule(g, FAST, initial=initial)
+    assert unlimited.peak_memory_bytes > limit  # the limit matters on this graph
+    opts = ScheduleOptions(full_model_time_limit_s=10.0, full_model_deterministic_time=0.5,
+                           memory_limit_bytes=limit, odd_even=FAST.odd_even)
+    res = schedule(g, opts, initial=initial)
+    tl = check_events(g, res.events, memory_limit_bytes=limit)
+    assert res.peak_memory_bytes <= limit
+    assert tl.makespan <= evaluate(g, initial) + 1e-9
+
+
+def test_schedule_without_input_falls_back_within_limit():
+    g = prefetch_graph(layers=8)
+    limit = _peak(g, g.synchronous_schedule())
+    opts = ScheduleOptions(full_model_max_tasks=0, memory_limit_bytes=limit,
+                           odd_even=FAST.odd_even)
+    res = schedule(g, opts)
+    check_events(g, res.events, memory_limit_bytes=limit)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), n=st.integers(2, 30), frac=st.floats(0.3, 1.0))
+def test_schedule_memory_property(seed, n, frac):
+    g = random_graph(seed, n, streams=2)
+    initial = g.synchronous_schedule()
+    base = _peak(g, initial)
+    limit = max(base, int(frac * 2 * base))
+    opts = ScheduleOptions(full_model_time_limit_s=10.0, full_model_deterministic_time=0.3,
+                           memory_limit_bytes=limit, odd_even=FAST.odd_even)
+    res = schedule(g, opts, initial=initial)
+    check_events(g, res.events, memory_limit_bytes=limit)
+    assert res.makespan_us <= evaluate(g, initial) + 1e-9
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), n=st.integers(2, 40), streams=st.integers(1, 3))
+def test_incremental_window_matches_full_simulation(seed, n, streams):
+    g = random_graph(seed, n, streams=streams)
+    inc = IncrementalTimeline(g, list_schedule(g))
+    assert inc.timeline() == simulate(g, inc.events)
+    rng = random.Random(seed)
+    for _ in range(4):
+        p = rng.randrange(len(inc.events))
+        q = rng.randrange(p + 1, len(inc.events) + 1)
+        window = inc.events[p:q]
+        start, end = list(inc.start), list(inc.end)
+        for e in window:
+            start[e.task] += rng.uniform(-5, 5)
+            end[e.task] = start[e.task] + g.tasks[e.task].duration_us
+        new = decode_window(g, window, start, end)
+        cand = inc.events[:p] + new + inc.events[q:]
+        g.check_schedule(cand)
+        full = simulate(g, cand)
+        cap = inc.makespan if rng.random() < 0.5 else float("inf")
+        before = inc.makespan
+        if inc.try_window(p, q, new, cap):
+            assert inc.events == cand
+            assert tuple(inc.start) == full.start and tuple(inc.end) == full.end
+            assert inc.makespan == pytest.approx(full.makespan)
+        else:
+            assert full.makespan > cap and inc.makespan == before
+
+
+def test_odd_even_large_graph_is_fast_and_never_worse():
+    from bench.scheduler_scaling import training_step_graph
+
+    g = training_step_graph(3000, seed=2)
+    heur = list_schedule(g)
+    res = odd_even(g, heur, OddEvenOptions(block_size=64, rounds=1, block_deterministic_time=0.02,
+                                           time_budget_s=None))
+    check_events(g, res.events)
+    assert res.makespan_us <= evaluate(g, heur) + 1e-9
+    assert res.blocks_solved + res.blocks_skipped >= 40  # every block of the round was visited
+
+
+def test_schedule_is_deterministic_in_process():
+    from bench.scheduler_scaling import training_step_graph
+
+    g = training_step_graph(300, seed=4)
+    initial = g.synchronous_schedule()
+    opts = ScheduleOptions(full_model_max_tasks=100, seed=3,
+                           odd_even=OddEvenOptions(block_size=48, rounds=2, seed=3,
+                                                   block_deterministic_time=0.05,
+                                                   block_time_limit_s=60.0, time_budget_s=None))
+    a = schedule(g, opts, initial=initial)
+    b = schedule(g, opts, initial=initial)
+    assert a.events == b.events and a.makespan_us == b.makespan_us and a.source == b.source
+    small = random_graph(7, 60, streams=2)
+    opts_small = ScheduleOptions(full_model_time_limit_s=60.0, full_model_deterministic_time=0.5,
+                                 seed=9, odd_even=OddEvenOptions(block_size=16, rounds=2, seed=9,
+                                                                 block_time_limit_s=60.0,
+                                                                 time_budget_s=None))
+    x = schedule(small, opts_small, initial=small.synchronous_schedule())
+    y = schedule(small, opts_small, initial=small.synchronous_schedule())
+    assert x.events == y.events and x.stats.get("cp_makespan_us") == y.stats.get("cp_makespan_us")
