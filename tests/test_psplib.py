@@ -61,3 +61,15 @@ def test_hint_and_bad_input():
     assert res.makespan == 4 and res.optimal
     with pytest.raises(ValueError, match="capacity"):
         RcpspInstance((1,), ((3,),), (2,), ((),))
+
+
+def test_energy_delays_are_sound():
+    from concerto_jax.scheduler.rcpsp import energy_delays
+
+    # 0 -> {1, 2, 3} -> 4 on a unary resource: the three middle tasks (3 each) need
+    # 9 time units between the end of 0 and the start of 4; the path gives only 3.
+    inst = RcpspInstance((1, 3, 3, 3, 1), ((0,), (1,), (1,), (1,), (0,)), (1,),
+                         ((1, 2, 3), (4,), (4,), (4,), ()), "diamond")
+    assert (0, 4, 9) in energy_delays(inst)
+    res = solve_rcpsp(inst, SolverParams(time_limit_s=5, num_workers=2))
+    assert res.makespan == 11 and check_rcpsp(inst, res.starts) == 11
