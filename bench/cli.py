@@ -27,7 +27,13 @@ def main(argv=None) -> int:
     v.add_argument("--repeats", type=int, default=15, help="timed runs per measurement (median)")
     v.add_argument("--multithreaded", action="store_true", help="keep XLA:CPU's thread pools (noisier)")
     v.add_argument("-v", "--verbose", action="store_true")
+    from bench import concerto_vs_xla
+
+    concerto_vs_xla.add_arguments(sub.add_parser(
+        "concerto", help="Concerto(S) vs stock XLA on the same fused graph, simulated"))
     args = parser.parse_args(argv)
+    if args.command == "concerto":
+        return concerto_vs_xla.run_from_args(args, "python -m bench.cli concerto")
     # The deviceless GPU compile needs JAX on CPU; set before JAX starts (the CLI, not the library).
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if args.command == "validate-cpu" and not args.multithreaded:
