@@ -5,7 +5,9 @@
 Runs the original and the optimised step side by side for a few steps,
 checks the results are bitwise equal, and prints the report. If the
 deviceless GPU compiler is installed (``pip install -e .[gpu]``) it also
-prints the simulated baseline for one bench case (``bench.cli baseline``).
+prints, for one bench case compiled for 8xH100 without a GPU, the simulated
+baseline (``bench.cli baseline``) and Concerto(S) against stock XLA on the same
+fused graph (``bench.cli concerto``).
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError as e:  # bench is part of the repo; say why if it cannot load
             print(f"(baseline skipped: {e})")
             return 0
-        return bench_cli.main(["baseline", "--quick"])
+        status = bench_cli.main(["baseline", "--quick"])
+        return status or bench_cli.main(["concerto", "--quick"])
     return 0
 
 
