@@ -84,8 +84,11 @@ def _host_initial_state(
     layout = get_layout("dp")
     devices = jax.devices()[:1]
     built = build_train_step(spec, config, layout, make_mesh(layout, (1,), devices), optimizer)
-    state = built.init(jax.random.key(seed))
-    return jax.tree.map(np.asarray, state)
+    key = jax.random.key(seed)
+    # LLVM -O0: several times faster to compile for the many small RNG kernels of an
+    # init, and it runs once per (model, config, seed).
+    init = built.init.lower(key).compile(compiler_options={"xla_backend_optimization_level": 0})
+    return jax.tree.map(np.asarray, init(key))
 
 
 def make_case(
