@@ -30,6 +30,9 @@ from jax._src.lib import _jax
 from jax._src.lib import xla_client as xc
 from jax._src.lib.mlir import ir
 
+import hlo_passes
+from hlo_passes.rewrites import cpu_divide_by_broadcast
+
 log = logging.getLogger(__name__)
 
 
@@ -88,6 +91,24 @@ def _mark_donors(mlir_bytes: bytes, params: list[int]) -> str | bytes:
         return str(module)
 
 
+def compensate_round_trip(hlo_text: str, platform: str) -> str:
+    """The module to hand to XLA so that it optimises it as it did the jitted program.
+
+    Our module reaches XLA through HLO -> StableHLO -> HLO, and the last step runs
+    MLIR canonicalisation, which folds reshape/broadcast chains the SPMD
+    partitioner left. XLA:CPU's ``A / broadcast(B)`` rewrite depends on those
+    chains (see ``hlo_passes.rewrites.cpu_divide_by_broadcast``), so on CPU it is
+    applied here, before the conversion. Returns ``hlo_text`` unchanged when
+    there is nothing to do.
+    """
+    if platform != "cpu" or " divide(" not in hlo_text:
+        return hlo_text
+    module = hlo_passes.parse_module(hlo_text, source="emitted")
+    if not cpu_divide_by_broadcast(module):
+        return hlo_text
+    return hlo_passes.module_to_text(module)
+
+
 def compile_replicated(hlo_text: str, device_list, *,
                        compiler_options: Mapping[str, Any] | None = None):
     """Compile a per-device module as a replicated program on ``device_list``.
@@ -102,10 +123,10 @@ def compile_replicated(hlo_text: str, device_list, *,
       (loaded executable, compile seconds).
     """
     t0 = time.perf_counter()
-    module = parse_with_xla(hlo_text)
+    devices = tuple(device_list)
+    module = parse_with_xla(compensate_round_trip(hlo_text, devices[0].platform))
     mlir = _jax.mlir.hlo_to_stablehlo(module.as_serialized_hlo_module_proto())
     mlir = _mark_donors(mlir, donated_parameters(hlo_text))
-    devices = tuple(device_list)
     n = len(devices)
     opts = xc.CompileOptions()
     build = opts.executable_build_options

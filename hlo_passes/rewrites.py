@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from hlo_passes.ir import HloModule, Instruction
+from hlo_passes.shapes import Shape
 
-__all__ = ["partition_id_to_replica_id", "spmd_to_replicated"]
+__all__ = ["partition_id_to_replica_id", "spmd_to_replicated",
+           "unique_all_reduce_channels", "cpu_divide_by_broadcast"]
 
 
 def partition_id_to_replica_id(module: HloModule) -> int:
@@ -45,6 +47,8 @@ def spmd_to_replicated(module: HloModule) -> int:
     * cross-replica-and-partition ones (a channel, the flag false) become one group
       of all replicas; cross-replica ones (no channel; one replica) become singletons;
     * the header says ``num_partitions=1, replica_count=N``;
+    * all-reduces that share a channel id get one each
+      (:func:`unique_all_reduce_channels`);
     * mesh-form replica groups (``mesh[...] {...}``) are written in list form: XLA's
       HLO -> StableHLO -> compile path runs some of them wrongly (checked with jax
       0.10.2: a scan's all-gather over ``mesh['axis_0'=1,'axis_1'=8] {'axis_1'}``
@@ -83,6 +87,121 @@ def spmd_to_replicated(module: HloModule) -> int:
         if kind in _HAS_GLOBAL_FLAG:
             target.replica_groups = []
         changed += 1
+    changed += unique_all_reduce_channels(module)
     module.num_partitions = 1
     module.replica_count = num_devices
+    return changed
+
+
+def unique_all_reduce_channels(module: HloModule) -> int:
+    """Gives every all-reduce that shares its ``channel_id`` with another one a new id.
+
+    The SPMD partitioner emits all the all-reduces of one ``psum`` over a pytree
+    inside ``shard_map`` with the same channel id. Outside SPMD mode
+    (``use_spmd_partitioning=false``, as the replicated program is compiled) XLA's
+    layout assignment treats an all-reduce with a channel id as a cross-module
+    one and forces one layout on all the all-reduces of a channel
+    (``IsCrossModuleAllReduce() && !use_spmd_partitioning()`` ->
+    ``ChannelLayoutConstraints``), which fails for operands of different ranks
+    (``layout minor_to_major field contains 3 elements, but shape has 1
+    dimensions``). Within one program the id only selects the collective's mode,
+    so distinct ids keep the meaning.
+
+    Returns:
+      The number of all-reduces renumbered.
+    """
+    targets = []
+    for inst in module.instructions():
+        if inst.opcode in ("all-reduce", "all-reduce-start"):
+            targets.append(inst)
+        elif inst.opcode == "async-start" and inst.async_wrapped is not None \
+                and inst.async_wrapped.opcode == "all-reduce":
+            targets.append(inst.async_wrapped)
+    all_ids = [i.channel_id for i in module.instructions() if i.channel_id is not None]
+    all_ids += [t.channel_id for t in targets if t.channel_id is not None]
+    next_id = max(all_ids, default=0) + 1
+    seen: set[int] = set()
+    changed = 0
+    for target in targets:
+        cid = target.channel_id
+        if cid is None:
+            continue
+        if cid in seen:
+            target.channel_id = next_id
+            next_id += 1
+            changed += 1
+        else:
+            seen.add(cid)
+    return changed
+
+
+_REAL_FLOATS = frozenset({"f16", "bf16", "f32", "f64", "f8e3m4", "f8e4m3", "f8e4m3fn",
+                          "f8e4m3b11fnuz", "f8e4m3fnuz", "f8e5m2", "f8e5m2fnuz",
+                          "f8e8m0fnu", "f4e2m1fn"})
+
+
+def _add(comp, module, before, opcode, shape, operands, attrs=None, **kw):
+    inst = Instruction(module.unique_name(opcode), opcode, shape, operands, dict(attrs or {}), **kw)
+    return comp.add_instruction(inst, before=before)
+
+
+def cpu_divide_by_broadcast(module: HloModule) -> int:
+    """Rewrites ``A / broadcast(B)`` into ``A * broadcast(1 / B)`` where ``B`` has one use,
+    as XLA:CPU's algebraic simplifier does, before the module is compiled through StableHLO.
+
+    XLA:CPU's first ``algsimp`` applies this rewrite (``executing_on_cpu() &&
+    enable_sink_broadcast()``, ``m::Broadcast(m::Op(&b).WithOneUse())``). The
+    SPMD partitioner leaves chains like ``broadcast(reshape(broadcast(reshape(x))))``
+    whose inner ops have one use, so it fires on the jitted program. Our module
+    goes HLO -> StableHLO -> HLO, and the StableHLO -> HLO conversion on the compile
+    path runs MLIR canonicalisation, which folds those chains to
+    ``broadcast(x)``; ``x`` (a softmax sum, ...) has several users, the rewrite no
+    longer fires and the results differ by an ulp or two (``a * (1/b)`` is not
+    ``a / b``). Applying it here, where the chain is still intact, gives XLA the
+    graph its simplifier would have produced. Where the folded operand would
+    still have one use, XLA would have rewritten it anyway: same result.
+
+    Like the simplifier, a broadcast whose operand has size-1 dimensions is first
+    rewritten to broadcast a reshape without them (for all its users), and
+    computations are visited in post order with use counts updated as they
+    change. This emulates one rule of XLA's simplifier; it is only for the CPU
+    backend (the rule is CPU-only in XLA).
+
+    Returns:
+      The number of divides rewritten.
+    """
+    changed = 0
+    for comp in module.computations:
+        for inst in comp.post_order():
+            if inst.opcode != "divide" or inst.parent is not comp or inst.shape.dtype not in _REAL_FLOATS:
+                continue
+            a, bcast = inst.operands
+            if bcast.opcode != "broadcast":
+                continue
+            b = bcast.operands[0]
+            # Constant divisors are XLA's "A / Const" rule, which sees through the folding.
+            if b.opcode == "constant" or b.users != [bcast] or b is comp.root:
+                continue
+            meta = {"metadata": inst.attrs["metadata"]} if "metadata" in inst.attrs else {}
+            kept = [i for i, d in enumerate(b.shape.dims) if d != 1]
+            if len(kept) < len(b.shape.dims):
+                dims = bcast.dimensions
+                b = _add(comp, module, bcast, "reshape",
+                         Shape.array(b.shape.dtype, [b.shape.dims[i] for i in kept]), [b], meta)
+                new_bcast = Instruction(module.unique_name("broadcast"), "broadcast",
+                                        bcast.shape, [b], dict(meta))
+                new_bcast.dimensions = [dims[i] for i in kept]
+                comp.replace_instruction(bcast, new_bcast)
+                bcast = new_bcast
+            one = _add(comp, module, inst, "constant", Shape.array(b.shape.dtype, ()), [],
+                       literal="1")
+            ones = _add(comp, module, inst, "broadcast", b.shape, [one])
+            ones.dimensions = []
+            recip = _add(comp, module, inst, "divide", b.shape, [ones, b], meta)
+            recip_bcast = _add(comp, module, inst, "broadcast", inst.shape, [recip], meta)
+            recip_bcast.dimensions = bcast.dimensions
+            comp.replace_instruction(inst, Instruction(
+                module.unique_name("multiply"), "multiply", inst.shape, [a, recip_bcast],
+                dict(meta)))
+            changed += 1
     return changed

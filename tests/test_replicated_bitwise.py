@@ -1,0 +1,147 @@
+"""The replicated program must compile and match the jitted SPMD program bit for bit.
+
+Two ways the HLO -> StableHLO -> HLO compile path used to break that:
+
+* shard_map ``psum`` over a pytree: the partitioner gives all its all-reduces one
+  channel id; XLA's layout assignment outside SPMD mode forces one layout per
+  channel and rejects operands of different ranks
+  (``hlo_passes.rewrites.unique_all_reduce_channels``);
+* a softmax on a 2-D mesh: MLIR canonicalisation in the StableHLO -> HLO step
+  folds the partitioner's reshape/broadcast chain, so XLA:CPU no longer turns
+  ``e / broadcast(sum)`` into ``e * broadcast(1 / sum)`` as it does for the jitted
+  program: 1-ulp differences (``hlo_passes.rewrites.cpu_divide_by_broadcast``,
+  applied by ``concerto_jax.executor.compensate_round_trip``).
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import concerto_jax
+import hlo_passes
+from concerto_jax.executor import compensate_round_trip, parse_with_xla
+from hlo_passes.rewrites import cpu_divide_by_broadcast, unique_all_reduce_channels
+
+
+def _mesh(shape, names):
+    return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+
+
+def _assert_bitwise(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _optimized(step, *args):
+    opt = concerto_jax.optimize(step, concerto_jax.Options(fallback=False))
+    return opt, opt(*args)
+
+
+def test_shard_map_psum_of_mixed_ranks_compiles_and_matches():
+    mesh = _mesh((8,), ("x",))
+
+    @jax.jit
+    def step(a, b, x):
+        def body(a, b, x):
+            ga = jnp.einsum("bi,ijk->bjk", x, a).sum(0)
+            gb = (x @ b).sum(0)
+            return jax.lax.psum((ga.T, gb), "x")
+        return jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("x")),
+                             out_specs=(P(), P()), check_vma=False)(a, b, x)
+
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.standard_normal((16, 4, 8)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)
+    x = jax.device_put(jnp.asarray(rng.standard_normal((32, 16)), jnp.float32),
+                       NamedSharding(mesh, P("x")))
+    opt, out = _optimized(step, a, b, x)
+    captured, emitted = opt.hlo_texts()
+    # The premise: the partitioner shares one channel between the psum's all-reduces.
+    assert captured.count("all-reduce(") >= 2 and "channel_id=1," in captured
+    ids = [int(i) for i in re.findall(r"all-reduce\([^\n]*channel_id=(\d+)", emitted)]
+    assert len(ids) == len(set(ids))
+    _assert_bitwise(out, step(a, b, x))
+
+
+def test_softmax_on_2d_mesh_matches_bitwise():
+    mesh = _mesh((2, 4), ("dp", "tp"))
+
+    def loss(w, x):
+        s = jnp.einsum("bqd,dhk->bhqk", x, w)
+        s = jax.lax.with_sharding_constraint(s, NamedSharding(mesh, P("dp", "tp")))
+        p = jax.nn.softmax(s, axis=-1)
+        return (p * p).sum()
+
+    step = jax.jit(jax.value_and_grad(loss))
+    rng = np.random.default_rng(0)
+    w = jax.device_put(jnp.asarray(rng.standard_normal((16, 8, 32)), jnp.float32),
+                       NamedSharding(mesh, P(None, "tp")))
+    x = jax.device_put(jnp.asarray(rng.standard_normal((4, 32, 16)), jnp.float32),
+                       NamedSharding(mesh, P("dp")))
+    opt, out = _optimized(step, w, x)
+    # The premise: a divide whose broadcast divisor XLA:CPU rewrites on the jitted program.
+    assert cpu_divide_by_broadcast(hlo_passes.parse_module(opt.hlo_texts()[1])) >= 1
+    _assert_bitwise(out, step(w, x))
+
+
+_DIV = """HloModule m
+
+ENTRY %e (p: f32[4,8], s: f32[4]) -> (f32[4,8], f32[4,8], f32[4,8]) {
+  %p = f32[4,8]{1,0} parameter(0)
+  %s = f32[4]{0} parameter(1)
+  %r = f32[4,1]{1,0} reshape(%s)
+  %r2 = f32[4]{0} reshape(%r)
+  %b = f32[4,8]{1,0} broadcast(%r2), dimensions={0}
+  %d = f32[4,8]{1,0} divide(%p, %b)
+  %b2 = f32[4,8]{1,0} broadcast(%s), dimensions={0}
+  %d2 = f32[4,8]{1,0} divide(%p, %b2)
+  %c = f32[4,1]{1,0} reshape(%s)
+  %c2 = f32[4,1]{1,0} negate(%c)
+  %b3 = f32[4,8]{1,0} broadcast(%c2), dimensions={0,1}
+  %d3 = f32[4,8]{1,0} divide(%p, %b3)
+  ROOT %t = (f32[4,8]{1,0}, f32[4,8]{1,0}, f32[4,8]{1,0}) tuple(%d, %d2, %d3)
+}
+"""
+
+
+def test_cpu_divide_by_broadcast_only_single_use_divisors():
+    module = hlo_passes.parse_module(_DIV)
+    # %d: r2 has one use; %d2: s has several; %d3: c2 has one use, its size-1 dim is dropped.
+    assert cpu_divide_by_broadcast(module) == 2
+    hlo_passes.verify(module)
+    entry = module.entry
+    assert [o.opcode for o in entry.root.operands] == ["multiply", "divide", "multiply"]
+    recip = entry.root.operands[0].operands[1].operands[0]
+    assert recip.opcode == "divide" and recip.operands[1].name == "r2"
+    recip3 = entry.root.operands[2].operands[1].operands[0]
+    assert recip3.opcode == "divide" and recip3.shape.dims == (4,)
+    assert recip3.operands[1].opcode == "reshape" and recip3.operands[1].operands[0].name == "c2"
+    parse_with_xla(compensate_round_trip(_DIV, "cpu"))
+    assert compensate_round_trip(_DIV, "gpu") == _DIV
+
+
+def test_unique_all_reduce_channels_renumbers_duplicates_only():
+    text = """HloModule m, num_partitions=2
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %c = f32[] add(%a, %b)
+}
+
+ENTRY %e (p: f32[4,2], q: f32[4]) -> (f32[4,2], f32[4], f32[4]) {
+  %p = f32[4,2]{0,1} parameter(0)
+  %q = f32[4]{0} parameter(1)
+  %x = f32[4,2]{0,1} all-reduce(%p), channel_id=1, replica_groups={{0,1}}, use_global_device_ids=true, to_apply=%add
+  %y = f32[4]{0} all-reduce(%q), channel_id=1, replica_groups={{0,1}}, use_global_device_ids=true, to_apply=%add
+  %z = f32[4]{0} all-reduce(%q), channel_id=3, replica_groups={{0,1}}, use_global_device_ids=true, to_apply=%add
+  ROOT %t = (f32[4,2]{0,1}, f32[4]{0}, f32[4]{0}) tuple(%x, %y, %z)
+}
+"""
+    module = hlo_passes.parse_module(text)
+    assert unique_all_reduce_channels(module) == 1
+    assert [module.entry.instruction(n).channel_id for n in "xyz"] == [1, 4, 3]
