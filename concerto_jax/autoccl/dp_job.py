@@ -24,10 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import socket
-import subprocess
-import sys
 import time
 
 __all__ = ["BUCKET_SPACE_GRID", "launch"]
@@ -36,12 +32,6 @@ logger = logging.getLogger(__name__)
 
 # 0 = one all-reduce per gradient; then 1 KiB .. 4 MiB by factors of 2.
 BUCKET_SPACE_GRID = (0,) + tuple(1024 * 2**i for i in range(13))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(
@@ -58,50 +48,15 @@ def launch(
     Raises:
       RuntimeError: a process failed or the timeout passed (stderr tails included).
     """
-    port = _free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
-    env.pop("XLA_FLAGS", None)
-    procs = []
-    for i in range(num_processes):
-        cmd = [
-            sys.executable,
-            "-m",
-            "concerto_jax.autoccl.dp_job",
-            "--process-id",
-            str(i),
-            "--num-processes",
-            str(num_processes),
-            "--port",
-            str(port),
-            "--devices",
-            str(devices_per_process),
-            "--num-grads",
-            str(num_grads),
-            "--out",
-            out_json,
-            *(["--sweep"] if sweep else []),
-            *extra_args,
-        ]
-        procs.append(
-            subprocess.Popen(
-                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            )
-        )
-    deadline = time.monotonic() + timeout_s
-    errors = []
-    for i, p in enumerate(procs):
-        try:
-            _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            _, err = p.communicate()
-            errors.append(f"process {i} timed out after {timeout_s}s:\n{err[-3000:]}")
-            continue
-        if p.returncode != 0:
-            errors.append(f"process {i} exited with {p.returncode}:\n{err[-3000:]}")
-    if errors:
-        raise RuntimeError("autoccl dp_job failed:\n" + "\n".join(errors))
+    from concerto_jax.launch import run_local
+
+    run_local(
+        "concerto_jax.autoccl.dp_job",
+        ["--devices", str(devices_per_process), "--num-grads", str(num_grads), "--out", out_json,
+         *(["--sweep"] if sweep else []), *extra_args],
+        num_processes=num_processes,
+        timeout_s=timeout_s,
+    )
     with open(out_json) as f:
         report = json.load(f)
     report["per_process"] = []
