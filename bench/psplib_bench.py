@@ -54,8 +54,14 @@ def instances(set_name: str) -> list[str]:
 
 
 def run(set_name: str, limit: int | None, params: SolverParams, start: int = 0,
-        only: list[str] | None = None, tag: str = "") -> list[Row]:
-    """Solve the first ``limit`` instances of ``set_name`` (from index ``start``, or ``only``)."""
+        only: list[str] | None = None, tag: str = "", retry_unproven_s: float = 0.0) -> list[Row]:
+    """Solve the first ``limit`` instances of ``set_name`` (from index ``start``, or ``only``).
+
+    With ``retry_unproven_s > 0``, an instance the solver did not *prove* optimal
+    within ``params.time_limit_s`` is solved again for up to that many seconds,
+    warm-started from the first solution. The decision uses only the solver's own
+    status, never the reference optimum.
+    """
     folder = os.path.join(PSPLIB_ROOT, set_name)
     optima = load_optima(os.path.join(folder, "optimum", "optimum.csv"))
     names = instances(set_name)[start:]
@@ -66,13 +72,20 @@ def run(set_name: str, limit: int | None, params: SolverParams, start: int = 0,
     for k, name in enumerate(names):
         inst = load_psplib(os.path.join(folder, name))
         res = solve_rcpsp(inst, params)
+        wall = res.wall_time_s
+        if retry_unproven_s > 0 and res.status != "OPTIMAL":
+            again = solve_rcpsp(inst, dataclasses.replace(params, time_limit_s=retry_unproven_s),
+                                hint=res.starts)
+            wall += again.wall_time_s
+            if (again.makespan, -again.lower_bound) <= (res.makespan, -res.lower_bound):
+                res = again
         ref = optima[name]
         rows.append(Row(name, ref.lo, ref.hi, res.makespan, res.lower_bound, res.status,
-                        round(res.wall_time_s, 3), 100.0 * (res.makespan - ref.hi) / ref.hi))
+                        round(wall, 3), 100.0 * (res.makespan - ref.hi) / ref.hi))
         logger.info("[%d/%d] %s: %d (ref %s) %s %.2fs", k + 1, len(names), name, res.makespan,
                     ref.hi if ref.closed else f"{ref.lo}..{ref.hi}", res.status, res.wall_time_s)
         if (k + 1) % 20 == 0 or k + 1 == len(names):
-            _write(set_name, rows, params, limit, start, tag)
+            _write(set_name, rows, params, limit, start, tag, retry_unproven_s)
     return rows
 
 
@@ -93,7 +106,8 @@ def summary(rows: list[Row]) -> dict:
     }
 
 
-def _write(set_name: str, rows: list[Row], params: SolverParams, limit, start, tag="") -> None:
+def _write(set_name: str, rows: list[Row], params: SolverParams, limit, start, tag="",
+           retry_unproven_s: float = 0.0) -> None:
     os.makedirs(RESULTS, exist_ok=True)
     base = os.path.join(RESULTS, f"psplib_{set_name}{tag}")
     with open(base + ".csv", "w", newline="") as f:
@@ -105,6 +119,7 @@ def _write(set_name: str, rows: list[Row], params: SolverParams, limit, start, t
     cmd = f"python -m bench.psplib_bench --set {set_name} --time-limit {params.time_limit_s} " \
           f"--workers {params.num_workers}" + (f" --limit {limit}" if limit else "") + \
           (f" --start {start}" if start else "") + \
+          (f" --retry-unproven {retry_unproven_s}" if retry_unproven_s else "") + \
           (f" --only {' '.join(r.instance for r in rows)} --tag {tag}" if tag else "")
     lines = [
         f"# PSPLIB {set_name}",
@@ -140,10 +155,12 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", nargs="+", default=None, help="solve only these instance files")
     ap.add_argument("--tag", default="", help="suffix of the result file names")
+    ap.add_argument("--retry-unproven", type=float, default=0.0,
+                    help="seconds for a second, warm-started solve of instances not proven optimal")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     params = SolverParams(time_limit_s=args.time_limit, num_workers=args.workers, seed=args.seed)
-    rows = run(args.set, args.limit, params, args.start, args.only, args.tag)
+    rows = run(args.set, args.limit, params, args.start, args.only, args.tag, args.retry_unproven)
     s = summary(rows)
     logger.info("%s: %d/%d at reference, mean dev %.3f%%, mean %.2fs/instance", args.set,
                 s["at_reference"], s["instances"], s["mean_dev_pct"], s["mean_wall_s"])
