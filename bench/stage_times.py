@@ -31,9 +31,10 @@ def _measure(spec: str, passes: tuple[str, ...], run_big: bool) -> dict:
     name, _, mesh = spec.partition(":")
     model, layout, config = name.split("/")
     mesh_shape = tuple(int(x) for x in mesh.split("x")) if mesh else None
-    materialize = config == "tiny" or run_big
-    case = models.make_case(model, layout, config, mesh_shape, materialize=materialize)
-    args = (case.state, case.batch) if materialize else (case.abstract_state, case.abstract_batch)
+    tiny = config == "tiny"
+    materialize = tiny or run_big
+    case = models.make_case(model, layout, config, mesh_shape, materialize=tiny)
+    args = (case.state, case.batch) if tiny else (case.abstract_state, case.abstract_batch)
     row: dict = {"case": spec, "passes": "+".join(passes) or "identity"}
     cap = capture(case.step, args)
     row["capture_s"] = cap.seconds
@@ -54,16 +55,19 @@ def _measure(spec: str, passes: tuple[str, ...], run_big: bool) -> dict:
     loaded, row["compile_s"] = executor.compile_replicated(result.text, cap.device_list)
     row["run_s"] = ""
     if materialize:
+        # Big presets are initialised sharded (no host copy of the state).
+        def fresh_state():
+            return case.init_state(0) if tiny else case.train_step.init(jax.random.key(0))
+
+        batch = case.batch if tiny else case.make_batch(0)
         compiled = executor.swap_executable(cap.compiled, loaded)
-        state = case.init_state(0)
-        out = compiled(state, case.batch)  # first run (allocations)
-        jax.block_until_ready(out)
-        state = case.init_state(0)
+        state, _ = compiled(fresh_state(), batch)  # first run (allocations); state donated
+        jax.block_until_ready(state)
         t = time.perf_counter()
-        out = compiled(state, case.batch)
-        jax.block_until_ready(out)
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready((state, metrics))
         row["run_s"] = time.perf_counter() - t
-        del out, state
+        del state, metrics
     np.asarray(0)
     return row
 
