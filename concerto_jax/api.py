@@ -139,31 +139,47 @@ class OptimizedStep:
 
     def _build(self, args: tuple, kwargs: dict):
         name = getattr(self._fn, "__name__", "step")
-        # Capture errors that come from JAX rejecting the arguments are the user's: re-raise.
-        cap = capture_lib.capture(self._fn, args, kwargs)
-        timings = {"capture": cap.seconds}
+        # JAX rejecting the arguments is the user's error: it propagates from capture().
+        try:
+            cap = capture_lib.capture(self._fn, args, kwargs)
+        except capture_lib.CaptureError as e:
+            cap, capture_error = None, e
+        text = cap.hlo_text if cap is not None else ""
+        n_dev = cap.num_partitions if cap is not None else len(jax.devices())
+        timings = {"capture": cap.seconds} if cap is not None else {}
+
+        def plan() -> dict:
+            if cap is None:
+                raise capture_error
+            return pipeline.run(text, self.options).to_json()
+
+        compiled, failure = None, None
         try:
             # Process 0 decides; every process gets the same plan (or all fall back).
-            result = pipeline.PipelineResult.from_json(multiprocess.leader_decides(
-                cap.hlo_text, lambda: pipeline.run(cap.hlo_text, self.options).to_json()))
+            result = pipeline.PipelineResult.from_json(multiprocess.leader_decides(text, plan))
             timings.update(result.stage_seconds)
             if self.options.dump_dir:
-                _dump(self.options.dump_dir, name, cap.hlo_text, result.text)
+                _dump(self.options.dump_dir, name, text, result.text)
             t0 = time.perf_counter()
             loaded, _ = executor.compile_replicated(
                 result.text, cap.device_list, compiler_options=self.options.compiler_options)
             compiled = executor.swap_executable(cap.compiled, loaded)
             timings["compile"] = time.perf_counter() - t0
         except Exception as e:  # noqa: BLE001 - any internal failure must fall back
+            failure = e
+        # Every process must run the same program: use ours only if all processes built it.
+        if not multiprocess.all_succeeded(failure is None) and failure is None:
+            failure = multiprocess.LeaderPlanError("another process failed to build the plan")
+        if failure is not None:
             if not self.options.fallback:
-                raise
-            return self._fallback(f"{type(e).__name__}: {e}", name, cap.num_partitions,
-                                  cap.hlo_text, {"stage_seconds": timings})
-        report = Report(function=name, num_devices=cap.num_partitions, optimized=True,
+                raise failure
+            return self._fallback(f"{type(failure).__name__}: {failure}", name, n_dev, text,
+                                  {"stage_seconds": timings})
+        report = Report(function=name, num_devices=n_dev, optimized=True,
                         instructions=result.instructions, collectives=result.collectives,
                         passes=result.passes, stage_seconds=timings)
         log.info("%s", report)
-        return _Entry(compiled, report, cap.hlo_text, result.text)
+        return _Entry(compiled, report, text, result.text)
 
 
 def _dump(directory: str, name: str, captured: str, emitted: str) -> None:

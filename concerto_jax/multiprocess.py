@@ -82,3 +82,13 @@ def leader_decides(captured_text: str, build: Callable[[], dict[str, Any]]) -> d
             "the same program on every process)")
     log.info("process %d received the leader's plan (%d bytes)", jax.process_index(), size)
     return json.loads(data.decode())
+
+
+def all_succeeded(ok: bool) -> bool:
+    """True on every process iff ``ok`` is True on every process (a joint decision)."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    flags = multihost_utils.process_allgather(np.array([int(ok)], dtype=np.int32))
+    return bool(np.asarray(flags).all())

@@ -167,3 +167,18 @@ def test_donated_parameters_header_forms():
         "HloModule m, input_output_alias={ {0}: (1, {}, may-alias), {1}: (3, {}, must-alias) }, "
         "entry_computation_layout={(f32[2]{0})->f32[2]{0}}") == []  # kept by the conversion
     assert donated_parameters("HloModule m, entry_computation_layout={()->f32[]}") == []
+
+
+def test_missing_dump_falls_back(monkeypatch):
+    # If XLA writes no post-SPMD dump (e.g. XLA_FLAGS redirects dumps), the step still runs.
+    from concerto_jax import capture as capture_lib
+
+    monkeypatch.setattr(capture_lib, "_read_single", lambda pattern, directory: None)
+    mesh = _mesh()
+    step, make_args = _mlp_step(mesh)
+    opt = concerto_jax.optimize(step)
+    with pytest.warns(concerto_jax.ConcertoFallbackWarning, match="CaptureError"):
+        got = opt(*make_args())
+    _assert_tree_bitwise(got, step(*make_args()))
+    assert not opt.report().optimized
+    assert opt.hlo_texts() == ("", None)
