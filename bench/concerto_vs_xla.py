@@ -44,14 +44,15 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import heapq
 import logging
 import os
 import random
-import re
 import sys
 import time
 from collections.abc import Sequence
+
+from bench import concerto_report
+from concerto_jax.xla_order import MappedOrder, map_order, order_by_priority
 
 log = logging.getLogger(__name__)
 
@@ -107,157 +108,6 @@ class ConcertoBenchOptions:
     trace_case: str | None = None
 
 
-# --------------------------------------------------------------------------------------------- mapping
-
-
-@dataclasses.dataclass(frozen=True)
-class MappedOrder:
-    """An order of another module mapped onto a graph's tasks (``map_order``).
-
-    Attributes:
-      events: a valid schedule of the graph.
-      mapped_events: graph events whose position came from the other module.
-      total_events: events of the graph.
-      extra: instructions of the other module (not aliases) the graph lacks.
-      opcode_mismatch: instructions with the same name but a different opcode.
-      repairs: events whose position had to move to respect the graph's dependencies.
-    """
-
-    events: tuple
-    mapped_events: int
-    total_events: int
-    extra: tuple[str, ...]
-    opcode_mismatch: tuple[str, ...]
-    repairs: int
-
-    @property
-    def coverage_pct(self) -> float:
-        return 100.0 * self.mapped_events / self.total_events if self.total_events else 100.0
-
-
-def _finish_event(graph, i: int):
-    from concerto_jax.taskgraph import Event, Phase
-
-    return Event(i, Phase.DONE if graph.tasks[i].is_collective else Phase.RUN)
-
-
-def _first_event(graph, i: int):
-    from concerto_jax.taskgraph import Event, Phase
-
-    return Event(i, Phase.START if graph.tasks[i].is_collective else Phase.RUN)
-
-
-def order_by_priority(graph, key: dict) -> tuple[list, int]:
-    """The valid schedule closest to ``key`` (event -> priority, lower first).
-
-    A task's first event waits for its predecessors' last events and a DONE for its
-    START; among ready events the lowest key goes first. Returns the events and how
-    many of them sit elsewhere than in plain key order.
-    """
-    from concerto_jax.taskgraph import Event, Phase
-
-    n = len(graph)
-    remaining = [len(p) for p in graph.preds]
-    heap: list = []
-    for i in range(n):
-        if remaining[i] == 0:
-            e = _first_event(graph, i)
-            heapq.heappush(heap, (key[e], i, e.phase.value, e))
-    out = []
-    while heap:
-        _, i, _, e = heapq.heappop(heap)
-        out.append(e)
-        if e.phase is Phase.START:
-            d = Event(i, Phase.DONE)
-            heapq.heappush(heap, (key[d], i, d.phase.value, d))
-            continue
-        for s in graph.succs[i]:
-            remaining[s] -= 1
-            if remaining[s] == 0:
-                f = _first_event(graph, s)
-                heapq.heappush(heap, (key[f], s, f.phase.value, f))
-    plain = sorted(key, key=lambda e: (key[e], e.task, e.phase.value))
-    repairs = sum(a != b for a, b in zip(out, plain, strict=True))
-    return out, repairs
-
-
-_SCHEDULING_NAME = re.compile(r'scheduling_name="([^"]+)"')
-
-
-def scheduling_name(inst) -> str:
-    """The name LHS knew an instruction by: ``metadata={scheduling_name=...}`` where XLA wrote one, else its name."""
-    m = _SCHEDULING_NAME.search(inst.metadata or "")
-    return m.group(1) if m else inst.name
-
-
-def map_order(module, built, base_events: Sequence | None = None) -> MappedOrder:
-    """Map ``module``'s entry order onto the tasks of ``built`` (an ``HloTaskGraph``) by instruction name.
-
-    Args:
-      module: the other module (``hlo_passes`` IR), e.g. XLA's final scheduled module; an
-        instruction is known by its ``scheduling_name`` metadata where XLA wrote one.
-      built: the graph (``build_taskgraph`` of the before-LHS module).
-      base_events: where tasks the other module lacks are placed (default ``built.events``:
-        right after the preceding mapped event of that order).
-
-    Returns:
-      A ``MappedOrder`` whose ``events`` are a valid schedule of ``built.graph``.
-    """
-    from concerto_jax.hlo_taskgraph import ALIAS_OPCODES
-    from concerto_jax.taskgraph import Event, Phase
-
-    graph = built.graph
-    key: dict = {}
-    extra: list[str] = []
-    mismatch: list[str] = []
-    own_opcode = {t.name: t.opcode for t in graph.tasks}
-    pos = 0
-    for inst in module.entry.instructions:
-        name = scheduling_name(inst)
-        if name in built.aliases or (name not in built.task_of and inst.opcode in ALIAS_OPCODES):
-            continue
-        i = built.task_of.get(name)
-        if i is None:
-            extra.append(name)
-            continue
-        task = graph.tasks[i]
-        if task.is_collective:
-            if inst.collective_kind != task.collective.op:
-                mismatch.append(name)
-        elif own_opcode[name] != inst.opcode:
-            mismatch.append(name)
-        role = inst.async_role
-        if not task.is_collective:
-            phases = (Phase.RUN,)
-        elif role == "start":
-            phases = (Phase.START,)
-        elif role == "done":
-            phases = (Phase.DONE,)
-        elif role == "update":
-            continue
-        else:  # synchronous form of the collective
-            phases = (Phase.START, Phase.DONE)
-        for ph in phases:
-            ev = Event(i, ph)
-            if ev not in key:
-                key[ev] = float(pos)
-                pos += 1
-    mapped = len(key)
-    last, k = -1.0, 0
-    base = list(built.events if base_events is None else base_events)
-    for ev in base:  # unmapped events: right after the preceding mapped event of the base order
-        if ev in key:
-            last, k = key[ev], 0
-        else:
-            k += 1
-            key[ev] = last + k * 1e-4
-    events, repairs = order_by_priority(graph, key)
-    graph.check_schedule(events)
-    total = sum(len(graph.events_of(i)) for i in range(len(graph)))
-    return MappedOrder(tuple(events), mapped, total, tuple(extra), tuple(mismatch), repairs)
-
-
-# ---------------------------------------------------------------------------------------- comparison
 
 
 def noisy_graph(graph, noise: float, seed: int):
@@ -520,129 +370,9 @@ def run_case(case, options: ConcertoBenchOptions, *, export_trace: bool = False)
                case_wall_s=round(time.perf_counter() - t0, 1))
     if export_trace:
         base = os.path.join(options.out_dir, f"{options.prefix}_{case.name}")
-        _write_trace_pair(f"{base}.trace.json", cmp_, case.name, cluster.name)
-        _write_gantt_pair(f"{base}.gantt.png", cmp_, case.name)
+        concerto_report.write_trace_pair(f"{base}.trace.json", cmp_, case.name, cluster.name)
+        concerto_report.write_gantt_pair(f"{base}.gantt.png", cmp_, case.name)
     return row
-
-
-def _write_trace_pair(path: str, cmp_: Comparison, name: str, cluster: str) -> None:
-    """One Perfetto trace, two processes on the same time axis: pid 0 = XLA's order, pid 1 = Concerto(S)."""
-    import json
-
-    from concerto_jax.simulator import chrome_trace
-
-    events, other = [], {"case": name, "cluster": cluster}
-    for pid, (tag, sim, order) in enumerate((("xla", cmp_.xla_sim, "XLA final order"),
-                                             ("ours", cmp_.ours_sim, "Concerto(S)"))):
-        tr = chrome_trace(sim, cmp_.graph, process_name=f"{name}: {order}")
-        events += [{**e, "pid": pid} for e in tr["traceEvents"]]
-        other[tag] = tr["otherData"]
-    with open(path, "w") as f:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}, f)
-    log.info("wrote trace %s (open in ui.perfetto.dev)", path)
-
-
-def _write_gantt_pair(path: str, cmp_: Comparison, name: str) -> None:
-    """XLA's and ours, one above the other on the same time axis (two ``write_gantt`` PNGs stacked)."""
-    import tempfile
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.image as mpimg
-    import matplotlib.pyplot as plt
-
-    from concerto_jax.simulator import write_gantt
-
-    with tempfile.TemporaryDirectory() as d:
-        imgs = []
-        for tag, sim, title in (("xla", cmp_.xla_sim, f"{name}: XLA final order"),
-                                ("ours", cmp_.ours_sim, f"{name}: Concerto(S)")):
-            p = os.path.join(d, f"{tag}.png")
-            write_gantt(p, sim, cmp_.graph, title=title)
-            imgs.append(mpimg.imread(p))
-        fig, axes = plt.subplots(2, 1, figsize=(14, 2 * imgs[0].shape[0] / 120))
-        for ax, im in zip(axes, imgs, strict=True):
-            ax.imshow(im)
-            ax.axis("off")
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-    log.info("wrote %s (x axes: each chart's own step time)", path)
-
-
-def _fmt(v) -> str:
-    return "" if v is None else str(v)
-
-
-def markdown(rows: Sequence[dict], command: str, cost_desc: dict, options: ConcertoBenchOptions,
-             elapsed: float) -> str:
-    """The markdown report of ``rows``."""
-    main_cols = ("case", "cluster", "tasks", "collectives", "xla_coverage_pct", "xla_step_us", "ours_step_us",
-                 "gain", "ours_vs_xla_ok", "lower_bound_us", "ours_gap_to_bound_pct", "xla_gap_to_bound_pct",
-                 "slowdown_bound_us", "rcpsp_bound_us", "ours_gap_to_best_bound_pct", "xla_exposed_comm_pct", "ours_exposed_comm_pct",
-                 "sf_step_us", "sf_gain", "sched_s", "ours_source")
-    stab_cols = ("case", "noise", "noise_trials", "noise_max_abs_delta_pct", "noise_mean_delta_pct",
-                 "noise_xla_max_abs_delta_pct", "noise_wins", "noise_min_gain", "noise_ok_2pct")
-    out = ["# Concerto(S) vs stock XLA on the same fused graph (simulated)", "",
-           f"Command: `{command}`", "", "| " + " | ".join(main_cols) + " |", "|" + "---|" * len(main_cols)]
-    ok = [r for r in rows if str(r["status"]).startswith("ok")]
-    for r in rows:
-        if r not in ok:
-            out.append(f"| {r['case']} | {r['cluster']} | {r['status']} |" + " |" * (len(main_cols) - 3))
-        else:
-            out.append("| " + " | ".join(_fmt(r[c]) for c in main_cols) + " |")
-    out += ["", "## Within 5 % of the lower bound?", ""]
-    for r in ok:
-        out.append(f"- {r['case']}: {'yes' if r['within_5pct'] else 'no'} (gap {r['ours_gap_to_bound_pct']}% to the "
-                   f"simple bound; {r['ours_gap_to_best_bound_pct']}% to the best proven bound {r['best_bound_us']} us)"
-                   + (f": {r['why_not_within_5pct']}" if not r["within_5pct"] else ""))
-    if options.noise_trials > 0:
-        out += ["", f"## Stability: every duration x U(1-{options.noise}, 1+{options.noise}), "
-                f"{options.noise_trials} trials (seeds {options.noise_seed}..), schedules fixed", "",
-                "| " + " | ".join(stab_cols) + " |", "|" + "---|" * len(stab_cols)]
-        out += ["| " + " | ".join(_fmt(r[c]) for c in stab_cols) + " |" for r in ok]
-    out += ["", "## Mapping and provenance", "",
-            "| case | graph_from | xla_coverage_pct | xla_extra_insts | xla_opcode_mismatch | xla_repairs | "
-            "after_lhs_coverage_pct | xla_after_lhs_step_us | pre_lhs_step_us | compile_s | sched_s_from_xla | "
-            "sched_s_from_pre | sched_eval_us | rcpsp_bound_status | sf_collectives | sf_fused_groups | sf_s | "
-            "xla_peak_mem_mib | ours_peak_mem_mib | case_wall_s |", "|" + "---|" * 20]
-    for r in ok:
-        out.append("| " + " | ".join(_fmt(r[c]) for c in (
-            "case", "graph_from", "xla_coverage_pct", "xla_extra_insts", "xla_opcode_mismatch", "xla_repairs",
-            "after_lhs_coverage_pct", "xla_after_lhs_step_us", "pre_lhs_step_us", "compile_s", "sched_s_from_xla",
-            "sched_s_from_pre", "sched_eval_us", "rcpsp_bound_status", "sf_collectives", "sf_fused_groups", "sf_s",
-            "xla_peak_mem_mib", "ours_peak_mem_mib", "case_wall_s")) + " |")
-    out += ["", "## Legend", "",
-            "Times: microseconds per step on one device, simulated by `concerto_jax.simulator.simulate` with the",
-            "cost model of the case's cluster (overlap slowdown included) on ONE task graph: the module XLA's",
-            "latency hiding scheduler received (`graph_from=before_lhs`), or XLA's final module when XLA ran no",
-            "LHS for that target (A100 cases here).",
-            "- `xla`: XLA's final order (`compiled.as_text()`) mapped onto that graph by instruction name;",
-            "  `xla_coverage_pct` = share of the graph's events placed by the final module (the rest, e.g. copies",
-            "  removed by passes after LHS, keep their after-LHS place), `xla_extra_insts` = final-module instructions the graph lacks, `xla_repairs` =",
-            "  events moved to respect dependencies. `xla_after_lhs` = the after-LHS dump mapped likewise (check).",
-            "- `pre_lhs`: the order LHS received (XLA's memory scheduler).",
-            "- `ours` = Concerto(S): `scheduler.schedule` started from XLA's order and from the pre-LHS order,",
-            "  the faster under the simulator kept; `ours_source` says which (`xla (fallback)` if neither beat XLA).",
-            "  `sched_eval_us` = the scheduler's own evaluator (full speed, no slowdown) on the chosen order.",
-            "- `gain` = xla / ours. `sf` = Concerto(S+F): `fuse_collectives` (cost model's collective time)",
-            "  then `schedule` on the fused graph; `sf_gain` = xla / sf (a different program: fewer collectives).",
-            "- `lower_bound` = max(total compute, busiest comm stream, critical path) at full speed;",
-            "  `slowdown_bound` = max(P + C(1-1/s) if C <= P s else C, critical path): compute that overlaps",
-            "  communication runs s x slower; `rcpsp_bound` = CP-SAT's proven bound on the full-speed makespan",
-            "  of any order (minus the tick-rounding slack); `best_bound` = the largest of the three (each is a",
-            "  valid bound on the simulated step: with a fixed order, times only grow with the slowdown);",
-            "  `ours_gap_to_bound_pct` is relative to `lower_bound` (the issue's criterion).",
-            "- exposed % = communication with no kernel running / step. Peak memory = live result bytes.",
-            "- Stability: each task's duration times an independent uniform factor; ours (computed on the",
-            "  unperturbed costs) and XLA's orders re-simulated; delta % relative to each order's unperturbed",
-            "  step; `noise_wins` = trials where ours <= XLA; `noise_min_gain` = min over trials of xla/ours.",
-            "", f"Scheduler options: {options.schedule if options.schedule is not None else 'ScheduleOptions() defaults'};"
-            f" fusion max evaluations {options.fusion_max_evaluations}; RCPSP bound limit {options.rcpsp_bound_s} s.",
-            f"Cost model options: {cost_desc.get('options', {})}.",
-            "", f"Wall time of the run: {elapsed:.0f} s (2 shared CPU cores)."]
-    return "\n".join(out) + "\n"
 
 
 def run(cases: Sequence, options: ConcertoBenchOptions = ConcertoBenchOptions(), command: str = "") -> list[dict]:
@@ -676,7 +406,7 @@ def run(cases: Sequence, options: ConcertoBenchOptions = ConcertoBenchOptions(),
         w.writerows(rows)
     desc = CostModel(get_cluster(cases[0].cluster)).describe() if cases else {}
     with open(os.path.join(options.out_dir, f"{options.prefix}.md"), "w") as f:
-        f.write(markdown(rows, command, desc, options, time.perf_counter() - t0))
+        f.write(concerto_report.markdown(rows, command, desc, options, time.perf_counter() - t0))
     log.info("wrote %s.{csv,md}", os.path.join(options.out_dir, options.prefix))
     return rows
 

@@ -12,9 +12,7 @@ import pytest
 from bench.concerto_vs_xla import (
     ConcertoBenchOptions,
     compare,
-    map_order,
     noisy_graph,
-    order_by_priority,
     slowdown_bound,
 )
 from concerto_jax.costmodel import CostModel, get_cluster
@@ -22,6 +20,7 @@ from concerto_jax.hlo_taskgraph import build_taskgraph
 from concerto_jax.scheduler import ScheduleOptions
 from concerto_jax.simulator import SimOptions, simulate
 from concerto_jax.taskgraph import Event, Phase, Task, TaskGraph, TaskKind
+from concerto_jax.xla_order import map_order, order_by_priority
 from hlo_passes.parser import parse_module
 
 DATA = pathlib.Path(__file__).parent / "data" / "hlo"
