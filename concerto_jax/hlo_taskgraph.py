@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 from collections.abc import Callable
 
 from concerto_jax.costmodel.compute import ArrayInfo, OpInfo
@@ -113,39 +112,11 @@ def _payload_bytes(kind: str, start, done) -> int:
     return sum(a.bytes for o in coll.operands for a in _leaves(o.shape))
 
 
-_MESH_IOTA_IDS = re.compile(r"device_ids=\((\[[\d,\s]*\]\s*<=\s*\[[\d,\s]*\](?:\s*T\([\d,\s]*\))?|\[[\d,\s]*\]\s*T\([\d,\s]*\))\)")
-
-
-def _mesh_ids_fallback(raw: str) -> list[list[int]]:
-    """Expand ``device_ids=([2,8]T(1,0))`` (an iota with a transpose) to an explicit id list and re-parse.
-
-    Works around ``hlo_passes.replica_groups`` rejecting a parenthesis inside ``device_ids=(...)``.
-    """
-    import numpy as np
-
-    from hlo_passes.replica_groups import parse_replica_groups
-
-    def explicit(m: re.Match) -> str:
-        text = m.group(1)
-        brackets = [[int(x) for x in re.findall(r"\d+", b)] for b in re.findall(r"\[[^\]]*\]", text)]
-        dims = brackets[-1]  # "[dims]T(perm)" or "[shape]<=[dims]T(perm)"
-        perm = re.search(r"T\(([^)]*)\)", text)
-        ids = np.arange(int(np.prod(dims))).reshape(dims)
-        if perm:
-            ids = ids.transpose([int(x) for x in re.findall(r"\d+", perm.group(1))])
-        return "device_ids=(" + ",".join(map(str, ids.reshape(-1).tolist())) + ")"
-
-    return parse_replica_groups(_MESH_IOTA_IDS.sub(explicit, raw))
-
-
 def _groups(coll, num_devices: int) -> list[list[int]]:
     pairs = coll.source_target_pairs
     if pairs is not None:
         return [list(p) for p in pairs] or [[0]]
-    try:
-        groups = coll.replica_groups
-    except ValueError:
-        groups = _mesh_ids_fallback(coll.attrs["replica_groups"])
+    groups = coll.replica_groups
     return groups if groups else [list(range(num_devices))]
 
 

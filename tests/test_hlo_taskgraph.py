@@ -98,7 +98,7 @@ def test_simulated_overlap(built):
 
 
 def test_mesh_replica_groups_with_transposed_device_ids():
-    from concerto_jax.hlo_taskgraph import _mesh_ids_fallback
+    from hlo_passes.replica_groups import parse_replica_groups
 
     raw = "mesh['axis_0'=8,'axis_1'=1,'axis_2'=2], device_ids=([2,8]T(1,0)) {'axis_2'}"
-    assert _mesh_ids_fallback(raw) == [[i, i + 8] for i in range(8)]
+    assert parse_replica_groups(raw) == [[i, i + 8] for i in range(8)]
