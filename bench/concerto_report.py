@@ -90,6 +90,11 @@ def markdown(rows: Sequence[dict], command: str, cost_desc: dict, options: Conce
                 f"{options.noise_trials} trials (seeds {options.noise_seed}..), schedules fixed", "",
                 "| " + " | ".join(stab_cols) + " |", "|" + "---|" * len(stab_cols)]
         out += ["| " + " | ".join(_fmt(r[c]) for c in stab_cols) + " |" for r in ok]
+        rob_cols = ("case", "resched_max_delta_pct", "resched_mean_delta_pct", "resched_wins", "resched_ok_2pct")
+        out += ["", f"## Robustness to cost error: scheduled on noisy costs (same noise, {options.noise_trials} "
+                "trials), judged on the true costs", "",
+                "| " + " | ".join(rob_cols) + " |", "|" + "---|" * len(rob_cols)]
+        out += ["| " + " | ".join(_fmt(r.get(c)) for c in rob_cols) + " |" for r in ok]
     out += ["", "## Mapping and provenance", "",
             "| case | graph_from | xla_coverage_pct | xla_extra_insts | xla_opcode_mismatch | xla_repairs | "
             "after_lhs_coverage_pct | xla_after_lhs_step_us | pre_lhs_step_us | compile_s | sched_s_from_xla | "
@@ -126,6 +131,9 @@ def markdown(rows: Sequence[dict], command: str, cost_desc: dict, options: Conce
             "- Stability: each task's duration times an independent uniform factor; ours (computed on the",
             "  unperturbed costs) and XLA's orders re-simulated; delta % relative to each order's unperturbed",
             "  step; `noise_wins` = trials where ours <= XLA; `noise_min_gain` = min over trials of xla/ours.",
+            "- Robustness: the scheduler runs on each noisy graph (from XLA's order); its schedule is simulated",
+            "  on the true costs; `resched_max_delta_pct` = worst (true step / ours - 1) over trials (positive:",
+            "  worse than scheduling with exact costs); `resched_wins` = trials still <= XLA on the true costs.",
             "", f"Scheduler options: {options.schedule if options.schedule is not None else 'ScheduleOptions() defaults'};"
             f" fusion max evaluations {options.fusion_max_evaluations}; RCPSP bound limit {options.rcpsp_bound_s} s.",
             f"Cost model options: {cost_desc.get('options', {})}.",

@@ -32,7 +32,10 @@ suite case (``bench.suite``):
 4. Stability: every task duration is multiplied by an independent
    ``U(1-noise, 1+noise)`` factor (``noise_trials`` trials, seeds
    ``noise_seed..``); the chosen schedule (computed on unperturbed costs) and
-   XLA's order are re-simulated on the noisy graph.
+   XLA's order are re-simulated on the noisy graph (sensitivity of the step to
+   execution noise). And robustness to cost-model error: the scheduler is run
+   on each noisy graph and its schedule judged on the true costs, against the
+   schedule made from the true costs.
 
 Every number written comes from the run that writes it. Command line::
 
@@ -70,6 +73,7 @@ COLUMNS = (
     "sf_step_us", "sf_gain", "sf_collectives", "sf_fused_groups", "sf_lower_bound_us", "sf_s",
     "noise", "noise_trials", "noise_max_abs_delta_pct", "noise_mean_delta_pct", "noise_xla_max_abs_delta_pct",
     "noise_wins", "noise_min_gain", "noise_ok_2pct",
+    "resched_max_delta_pct", "resched_mean_delta_pct", "resched_wins", "resched_ok_2pct",
     "overlap_slowdown", "case_wall_s",
 )
 
@@ -316,6 +320,18 @@ def compare(before_text: str | None, final_text: str, cost_model, options: Conce
                    noise_xla_max_abs_delta_pct=round(max(abs(d) for d in xdeltas), 2),
                    noise_wins=f"{sum(gn >= 1 - 1e-9 for gn in gains)}/{len(gains)}",
                    noise_min_gain=round(min(gains), 4), noise_ok_2pct=mx <= 2.0)
+        # Robustness to cost-model error: schedule on noisy costs, judge on the true costs.
+        rdeltas, rwins = [], 0
+        for k in range(options.noise_trials):
+            ng = noisy_graph(g, options.noise, options.noise_seed + k)
+            res = schedule(ng, sched_opts, initial=xla_events)
+            true_step = simulate(g, res.events, fast_opts).step_time_us
+            rdeltas.append(100 * (true_step / ours.step_time_us - 1))
+            rwins += true_step <= xla.step_time_us + 1e-6
+        rmx = max(rdeltas)
+        row.update(resched_max_delta_pct=round(rmx, 2),
+                   resched_mean_delta_pct=round(sum(rdeltas) / len(rdeltas), 2),
+                   resched_wins=f"{rwins}/{len(rdeltas)}", resched_ok_2pct=rmx <= 2.0)
     return Comparison(row, g, tuple(xla_events), ours_events, xla, ours)
 
 
