@@ -26,9 +26,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-baseline", action="store_true", help="skip the simulated GPU baseline")
     args = parser.parse_args(argv)
 
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     import jax
+
+    # `python -m concerto_jax` imported JAX (through the package) before this line ran, so the
+    # environment variable would come too late: set the platform through the config instead,
+    # before any backend starts. CPU only: the GPU plugin is used deviceless, for targets.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
     import numpy as np
 
     jax.config.update("jax_num_cpu_devices", 8)
