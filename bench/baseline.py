@@ -26,6 +26,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 
+from bench import suite
 from bench.suite import BenchCase
 
 log = logging.getLogger(__name__)
@@ -199,23 +200,14 @@ def run_baseline(cases: Sequence[BenchCase], options: BaselineOptions = Baseline
 
     os.makedirs(options.out_dir, exist_ok=True)
     t0 = time.perf_counter()
-    rows = []
-    traced = False
-    for k, case in enumerate(cases, 1):
-        log.info("[%d/%d] %s: %s on %s, mesh %s", k, len(cases), case.name, case.model, case.cluster, case.mesh_shape)
-        t = time.perf_counter()
-        want_trace = (case.name == options.trace_case) or (options.trace_case is None and not traced)
-        try:
-            row = run_case(case, options, export_trace=want_trace)
-        except Exception as e:  # one broken case must not lose the others' results
-            log.exception("%s failed", case.name)
-            row = dict.fromkeys(COLUMNS, "")
-            row.update(case=case.name, cluster=case.cluster, mesh="x".join(map(str, case.mesh_shape)),
-                       status=f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
-        traced = traced or (want_trace and str(row["status"]).startswith("ok"))
-        rows.append(row)
-        log.info("[%d/%d] %s done in %.0fs: xla %s us, sync %s us, bound %s us (%s)", k, len(cases), case.name,
-                 time.perf_counter() - t, row["xla_step_us"], row["sync_step_us"], row["lower_bound_us"], row["status"])
+
+    def done(k, case, row):
+        log.info("[%d/%d] %s: xla %s us, sync %s us, bound %s us (%s) [%.0fs elapsed]", k, len(cases),
+                 case.name, row["xla_step_us"], row["sync_step_us"], row["lower_bound_us"], row["status"],
+                 time.perf_counter() - t0)
+
+    rows = suite.run_each(cases, lambda case, export_trace: run_case(case, options, export_trace=export_trace),
+                          COLUMNS, options.trace_case, done)
     csv_path = os.path.join(options.out_dir, f"{options.prefix}.csv")
     with open(csv_path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)

@@ -50,12 +50,7 @@ def main(argv=None) -> int:
         with open(os.path.join(args.out, "baseline_cpu_validation.md")) as f:
             sys.stdout.write(f.read())
         return 0
-    if args.case:
-        cases = [suite.get_case(n) for n in args.case]
-    elif args.quick:
-        cases = [suite.get_case(n) for n in suite.QUICK]
-    else:
-        cases = list(suite.SUITE)
+    cases = suite.select_cases(args.case, args.quick)
     prefix = args.prefix or ("baseline_quick" if args.quick or args.case else "baseline")
     rows = baseline.run_baseline(cases, baseline.BaselineOptions(out_dir=args.out, pgle=args.pgle,
                                                                   windowed_einsum=args.windowed_einsum,

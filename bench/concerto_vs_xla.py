@@ -54,7 +54,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from bench import concerto_report
+from bench import concerto_report, suite
 from concerto_jax.xla_order import MappedOrder, map_order, order_by_priority
 
 log = logging.getLogger(__name__)
@@ -397,25 +397,15 @@ def run(cases: Sequence, options: ConcertoBenchOptions = ConcertoBenchOptions(),
 
     os.makedirs(options.out_dir, exist_ok=True)
     t0 = time.perf_counter()
-    rows: list[dict] = []
-    traced = False
-    for k, case in enumerate(cases, 1):
-        log.info("[%d/%d] %s: %s %s on %s, mesh %s", k, len(cases), case.name, case.model, case.layout,
-                 case.cluster, case.mesh_shape)
-        want = case.name == options.trace_case or (options.trace_case is None and not traced)
-        try:
-            row = run_case(case, options, export_trace=want)
-        except Exception as e:  # one broken case must not lose the others' results
-            log.exception("%s failed", case.name)
-            row = dict.fromkeys(COLUMNS, "")
-            row.update(case=case.name, cluster=case.cluster, mesh="x".join(map(str, case.mesh_shape)),
-                       status=f"error: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}")
-        traced = traced or (want and str(row["status"]).startswith("ok"))
-        rows.append(row)
+
+    def done(k, case, row):
         log.info("[%d/%d] %s: xla %s us, ours %s us (gain %s, %s), S+F %s us, bound %s us, noise max |d| %s%% "
-                 "[%.0fs elapsed] %s", k, len(cases), case.name, row["xla_step_us"], row["ours_step_us"], row["gain"],
-                 row["ours_source"], row["sf_step_us"], row["lower_bound_us"], row["noise_max_abs_delta_pct"],
-                 time.perf_counter() - t0, row["status"])
+                 "[%.0fs elapsed] %s", k, len(cases), case.name, row["xla_step_us"], row["ours_step_us"],
+                 row["gain"], row["ours_source"], row["sf_step_us"], row["lower_bound_us"],
+                 row["noise_max_abs_delta_pct"], time.perf_counter() - t0, row["status"])
+
+    rows = suite.run_each(cases, lambda case, export_trace: run_case(case, options, export_trace=export_trace),
+                          COLUMNS, options.trace_case, done)
     with open(os.path.join(options.out_dir, f"{options.prefix}.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
@@ -459,14 +449,7 @@ def run_from_args(args: argparse.Namespace, program: str = "python -m bench.conc
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # deviceless GPU compile: JAX on CPU (set before JAX starts)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    from bench import suite
-
-    if args.case:
-        cases = [suite.get_case(n) for n in args.case]
-    elif args.quick:
-        cases = [suite.get_case(n) for n in suite.QUICK]
-    else:
-        cases = list(suite.SUITE)
+    cases = suite.select_cases(args.case, args.quick)
     prefix = args.prefix or ("concerto_vs_xla_quick" if args.quick or args.case else "concerto_vs_xla")
     opts = ConcertoBenchOptions(out_dir=args.out, prefix=prefix, fusion=not args.no_fusion,
                                 rcpsp_bound_s=args.rcpsp_bound_s, noise=args.noise,

@@ -25,6 +25,10 @@ whose model is not registered in ``models`` yet is reported as skipped.
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,3 +96,40 @@ def get_case(name: str) -> BenchCase:
         if c.name == name:
             return c
     raise ValueError(f"unknown case {name!r}; known: {[c.name for c in SUITE]}")
+
+
+def select_cases(names: Sequence[str] | None = None, quick: bool = False) -> list[BenchCase]:
+    """The cases a bench runs: ``names`` if given, else ``QUICK`` if ``quick``, else the whole suite."""
+    if names:
+        return [get_case(n) for n in names]
+    if quick:
+        return [get_case(n) for n in QUICK]
+    return list(SUITE)
+
+
+def run_each(cases: Sequence[BenchCase], run_case: Callable[..., dict], columns: Sequence[str],
+             trace_case: str | None, on_done: Callable[[int, BenchCase, dict], None]) -> list[dict]:
+    """Run ``run_case(case, export_trace=...)`` for every case, keeping going when one fails.
+
+    A failed case becomes a row with ``status = "error: ..."`` (one broken case must not lose
+    the others' results). The trace is exported for ``trace_case``, or, when it is None, for
+    the first case that succeeds. ``on_done(k, case, row)`` reports progress.
+    """
+    rows: list[dict] = []
+    traced = False
+    for k, case in enumerate(cases, 1):
+        log.info("[%d/%d] %s: %s %s on %s, mesh %s", k, len(cases), case.name, case.model,
+                 case.layout, case.cluster, case.mesh_shape)
+        want = case.name == trace_case or (trace_case is None and not traced)
+        try:
+            row = run_case(case, export_trace=want)
+        except Exception as e:  # noqa: BLE001 - reported in the row
+            log.exception("%s failed", case.name)
+            row = dict.fromkeys(columns, "")
+            row.update(case=case.name, cluster=case.cluster, mesh="x".join(map(str, case.mesh_shape)),
+                       status=f"error: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:120]}")
+        traced = traced or (want and str(row["status"]).startswith("ok"))
+        rows.append(row)
+        on_done(k, case, row)
+    return rows
+
