@@ -70,6 +70,34 @@ def _config(spec, case: BenchCase):
     return name, dataclasses.replace(cfg, **repl)
 
 
+@dataclasses.dataclass(frozen=True)
+class CompiledCase:
+    """A suite case compiled deviceless for its cluster (``compile_case``)."""
+
+    preset: str  # model preset the config was derived from
+    config: object  # the model config (preset with the case's overrides)
+    cluster: object  # concerto_jax.costmodel.Cluster
+    cost_model: object  # CostModel of that cluster (default options)
+    lowered: object  # the lowered train step (recompile it with other XLA options)
+    compiled: object  # concerto_jax.target.TargetCompile (final text, LHS dumps)
+
+
+def compile_case(case: BenchCase) -> CompiledCase:
+    """Build ``case``'s train step on a deviceless mesh of its cluster and compile it with LHS dumps."""
+    from concerto_jax.costmodel import CostModel, get_cluster
+    from concerto_jax.target import CompileOptions, compile_lowered, topology
+    from models.layouts import make_mesh
+    from models.registry import MODELS, make_case
+
+    cluster = get_cluster(case.cluster)
+    devices = sorted(topology(cluster).devices, key=lambda d: d.id)
+    mesh = make_mesh(case.layout, case.mesh_shape, devices=devices)
+    preset, cfg = _config(MODELS[case.model], case)
+    lowered = make_case(case.model, case.layout, cfg, mesh=mesh).lower()
+    tc = compile_lowered(lowered, cluster, CompileOptions(dump_lhs=True, extra=case.xla_options))
+    return CompiledCase(preset, cfg, cluster, CostModel(cluster), lowered, tc)
+
+
 def _simulate_text(text: str, cost_model):
     from concerto_jax.hlo_taskgraph import build_taskgraph
     from concerto_jax.simulator import SimOptions, simulate
@@ -91,7 +119,6 @@ def _strip_names(text: str) -> str:
 
 def run_case(case: BenchCase, options: BaselineOptions, *, export_trace: bool = False) -> dict:
     """Compile, build, simulate one case; returns a row of ``COLUMNS``."""
-    from concerto_jax.costmodel import CostModel, get_cluster
     from concerto_jax.simulator import (
         SimOptions,
         lower_bounds,
@@ -104,11 +131,9 @@ def run_case(case: BenchCase, options: BaselineOptions, *, export_trace: bool = 
         CompileOptions,
         compile_lowered,
         costs_from_graph,
-        topology,
         write_profile,
     )
-    from models.layouts import make_mesh
-    from models.registry import MODELS, make_case
+    from models.registry import MODELS
 
     row = dict.fromkeys(COLUMNS, "")
     row.update(case=case.name, model=case.model, layout=case.layout, cluster=case.cluster,
@@ -117,13 +142,9 @@ def run_case(case: BenchCase, options: BaselineOptions, *, export_trace: bool = 
         row["status"] = f"skipped: model {case.model!r} not registered in models"
         log.warning("%s: %s", case.name, row["status"])
         return row
-    cluster = get_cluster(case.cluster)
-    cost_model = CostModel(cluster)
-    devices = sorted(topology(cluster).devices, key=lambda d: d.id)
-    mesh = make_mesh(case.layout, case.mesh_shape, devices=devices)
-    preset, cfg = _config(MODELS[case.model], case)
-    lowered = make_case(case.model, case.layout, cfg, mesh=mesh).lower()
-    tc = compile_lowered(lowered, cluster, CompileOptions(dump_lhs=True, extra=case.xla_options))
+    cc = compile_case(case)
+    cluster, cost_model, lowered, tc = cc.cluster, cc.cost_model, cc.lowered, cc.compiled
+    preset, cfg = cc.preset, cc.config
     built, xla = _simulate_text(tc.final_text, cost_model)
     g = built.graph
     sim_opts = SimOptions(overlap_slowdown=cost_model.options.overlap_slowdown)

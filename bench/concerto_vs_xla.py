@@ -359,11 +359,8 @@ def _why(step: float, lb, sbound: float, rcpsp_lb: float | None, best, ours) -> 
 
 def run_case(case, options: ConcertoBenchOptions, *, export_trace: bool = False) -> dict:
     """Compile one suite case deviceless, compare, optionally export traces; returns a row of ``COLUMNS``."""
-    from bench.baseline import _config
-    from concerto_jax.costmodel import CostModel, get_cluster
-    from concerto_jax.target import CompileOptions, compile_lowered, topology
-    from models.layouts import make_mesh
-    from models.registry import MODELS, make_case
+    from bench.baseline import compile_case
+    from models.registry import MODELS
 
     t0 = time.perf_counter()
     row = dict.fromkeys(COLUMNS, "")
@@ -371,13 +368,8 @@ def run_case(case, options: ConcertoBenchOptions, *, export_trace: bool = False)
     if case.model not in MODELS:
         row["status"] = f"skipped: model {case.model!r} not registered in models"
         return row
-    cluster = get_cluster(case.cluster)
-    cost_model = CostModel(cluster)
-    devices = sorted(topology(cluster).devices, key=lambda d: d.id)
-    mesh = make_mesh(case.layout, case.mesh_shape, devices=devices)
-    preset, cfg = _config(MODELS[case.model], case)
-    lowered = make_case(case.model, case.layout, cfg, mesh=mesh).lower()
-    tc = compile_lowered(lowered, cluster, CompileOptions(dump_lhs=True, extra=case.xla_options))
+    cc = compile_case(case)
+    cluster, cost_model, tc, preset = cc.cluster, cc.cost_model, cc.compiled, cc.preset
     log.info("%s: compiled in %.1fs (LHS dump: %s)", case.name, tc.compile_s, tc.before_lhs_text is not None)
     cmp_ = compare(tc.before_lhs_text, tc.final_text, cost_model, options, after_text=tc.after_lhs_text,
                    label=case.name)
