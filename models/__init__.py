@@ -26,7 +26,11 @@ Quick use::
 Public API:
 
 * ``make_case(model, layout, config="tiny", mesh_shape=None, *, mesh=None,
-  materialize=None, seed=0, optimizer=None) -> Case``.
+  materialize=None, seed=0, optimizer=None, scan_layers=None, remat=None) -> Case``.
+  ``scan_layers=True`` stacks the blocks' params on a leading unsharded ``"layers"``
+  axis and runs them under one ``nn.scan`` (a while loop in the HLO); ``remat=True``
+  wraps each block in ``jax.checkpoint``. Both default off (config fields of GPT,
+  ViT and Evoformer; WideResNet's stages differ in shape and are not scanned).
 * ``Case`` (frozen): ``name`` ("gpt/tp/tiny"), ``model``, ``layout``, ``config_name``,
   ``config``, ``mesh``, ``step`` (jitted; donates the state), ``state`` / ``batch``
   (placed; None unless materialized — default only for "tiny"), ``abstract_state`` /

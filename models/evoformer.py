@@ -30,6 +30,7 @@ from models.layers import (
     constrain,
     cross_entropy,
     param_init,
+    repeat_blocks,
 )
 from models.spec import ModelSpec
 
@@ -56,6 +57,10 @@ class EvoformerConfig:
     num_bins: int = 64  # distogram bins
     batch_size: int = 8  # global batch
     dtype: Any = jnp.bfloat16  # activation / matmul dtype (params are float32)
+    # Blocks under one nn.scan (params stacked on a leading "layers" axis) instead of unrolled.
+    scan_layers: bool = False
+    # jax.checkpoint around each block: forward recomputed in the backward pass.
+    remat: bool = False
 
 
 PRESETS: dict[str, EvoformerConfig] = {
@@ -202,8 +207,15 @@ class Evoformer(nn.Module):
         left = jnp.take(embed("pair_left_embedding", cfg.c_z), target, axis=0)
         right = jnp.take(embed("pair_right_embedding", cfg.c_z), target, axis=0)
         z = (left[:, :, None] + right[:, None, :]).astype(cfg.dtype)
-        for i in range(cfg.num_blocks):
-            m, z = EvoformerBlock(cfg, name=f"block_{i}")(m, z)
+        m, z = repeat_blocks(
+            EvoformerBlock,
+            cfg.num_blocks,
+            (m, z),
+            scan=cfg.scan_layers,
+            remat=cfg.remat,
+            name="block",
+            config=cfg,
+        )
         msa_logits = DenseGeneral(
             (cfg.vocab,), ("embed", "vocab"), dtype=cfg.dtype, name="msa_head"
         )(LayerNorm(dtype=cfg.dtype)(m))

@@ -14,7 +14,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.layers import Attention, LayerNorm, Mlp, constrain, cross_entropy, param_init
+from models.layers import (
+    Attention,
+    LayerNorm,
+    Mlp,
+    constrain,
+    cross_entropy,
+    param_init,
+    repeat_blocks,
+)
 from models.spec import ModelSpec
 
 _RESIDUAL = ("activation_batch", "activation_norm_length", "activation_embed")
@@ -33,6 +41,11 @@ class GPTConfig:
     seq_len: int = 1024  # tokens per example
     batch_size: int = 16  # global batch (examples per step)
     dtype: Any = jnp.bfloat16  # activation / matmul dtype (params are float32)
+    # Blocks under one nn.scan (params stacked on a leading "layers" axis; one while
+    # loop in the HLO) instead of unrolled; MaxText's scan_layers.
+    scan_layers: bool = False
+    # jax.checkpoint around each block: forward recomputed in the backward pass.
+    remat: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -122,8 +135,9 @@ class GPT(nn.Module):
         )
         x = jnp.take(embedding, inputs, axis=0) + positions[None, : inputs.shape[1]]
         x = constrain(x.astype(cfg.dtype), _RESIDUAL)
-        for i in range(cfg.num_layers):
-            x = Block(cfg, name=f"block_{i}")(x)
+        x = repeat_blocks(
+            Block, cfg.num_layers, x, scan=cfg.scan_layers, remat=cfg.remat, name="block", config=cfg
+        )
         x = LayerNorm(dtype=cfg.dtype, name="ln_final")(x)
         x = constrain(x, _INNER)
         logits = jnp.einsum("ble,ve->blv", x, embedding.astype(cfg.dtype))

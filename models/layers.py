@@ -231,3 +231,75 @@ def shapes(
 ) -> dict[str, jax.ShapeDtypeStruct]:
     """Builds a dict of ``ShapeDtypeStruct`` from ``{name: (shape, dtype)}``."""
     return {k: jax.ShapeDtypeStruct(tuple(s), d) for k, (s, d) in names_to_shapes.items()}
+
+
+# Logical name of the leading axis that ``nn.scan`` adds to every stacked parameter.
+# No layout maps it, so the stacked params are unsharded along the layers and keep the
+# per-layer sharding of their other axes (MaxText's "layers" axis).
+LAYERS_AXIS = "layers"
+
+
+def repeat_blocks(
+    block: type[nn.Module],
+    count: int,
+    carry: Any,
+    *,
+    scan: bool,
+    remat: bool,
+    name: str,
+    **attrs: Any,
+) -> Any:
+    """Applies ``count`` blocks ``carry -> carry``, unrolled or under one ``nn.scan``.
+
+    Must be called inside a compact method. ``block(**attrs)`` maps a carry (an
+    array or a tuple of arrays) to a carry of the same structure.
+
+    Args:
+      block: a Flax module class whose ``__call__(carry)`` returns the new carry (a
+        tuple carry is passed as positional arguments: ``__call__(*carry)``).
+      count: number of blocks (layers).
+      carry: input of the first block.
+      scan: stack the blocks' params along a leading ``LAYERS_AXIS`` axis and run
+        them under ``nn.scan`` (one ``while`` loop in the HLO) instead of unrolling
+        ``count`` separately named blocks ``f"{name}_{i}"``.
+      remat: wrap each block in ``nn.remat`` (``jax.checkpoint``): its forward
+        activations are recomputed in the backward pass instead of being stored.
+      name: scope name of the scanned stack (``name``) or prefix of the unrolled
+        blocks (``name_0``, ``name_1``, ...).
+      **attrs: the block's attributes.
+
+    Returns:
+      The carry after the last block.
+    """
+    # Inside a scan the loop boundary already keeps XLA from CSE-ing the recomputation
+    # into the forward pass (MaxText: prevent_cse=not scan_layers).
+    cls = nn.remat(block, prevent_cse=not scan) if remat else block
+    if not scan:
+        for i in range(count):
+            carry = _apply(cls(name=f"{name}_{i}", **attrs), carry)
+        return carry
+    stacked = nn.scan(
+        _ScanAdapter,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        length=count,
+        metadata_params={nn.PARTITION_NAME: LAYERS_AXIS},
+    )
+    carry, _ = stacked(block=cls, attrs=tuple(sorted(attrs.items())), name=name)(carry, None)
+    return carry
+
+
+class _ScanAdapter(nn.Module):
+    """Adapts a block ``carry -> carry`` to ``nn.scan``'s ``(carry, x) -> (carry, y)``."""
+
+    block: Any  # module class (possibly nn.remat-wrapped)
+    attrs: tuple[tuple[str, Any], ...]  # the block's attributes, as sorted items
+
+    @nn.compact
+    def __call__(self, carry: Any, _: Any) -> tuple[Any, None]:
+        return _apply(self.block(name="block", **dict(self.attrs)), carry), None
+
+
+def _apply(module: nn.Module, carry: Any) -> Any:
+    """A tuple carry is passed as positional arguments (Evoformer's (msa, pair))."""
+    return module(*carry) if isinstance(carry, tuple) else module(carry)

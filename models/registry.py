@@ -101,6 +101,8 @@ def make_case(
     materialize: bool | None = None,
     seed: int = 0,
     optimizer: OptimizerOptions | None = None,
+    scan_layers: bool | None = None,
+    remat: bool | None = None,
 ) -> Case:
     """Builds the train-step case ``model`` x ``layout`` x ``config``.
 
@@ -114,9 +116,15 @@ def make_case(
       materialize: allocate state and batch; default True only for ``"tiny"``.
       seed: seed of the initial params and of the example batch.
       optimizer: AdamW hyper-parameters.
+      scan_layers: override the config's ``scan_layers`` (blocks under one
+        ``nn.scan``, params stacked on a leading unsharded ``"layers"`` axis); the
+        case name gets ``+scan``. None keeps the config's value.
+      remat: override the config's ``remat`` (``jax.checkpoint`` per block); the case
+        name gets ``+remat``. None keeps the config's value.
 
     Raises:
-      ValueError: unknown model/layout/config, or a layout the model does not support.
+      ValueError: unknown model/layout/config, a layout the model does not support,
+        or scan_layers/remat for a model without those variants.
     """
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; expected one of {sorted(MODELS)}")
@@ -128,6 +136,20 @@ def make_case(
         )
     cfg = spec.config(config)
     config_name = config if isinstance(config, str) else "custom"
+    variant = ""
+    for field, value in (("scan_layers", scan_layers), ("remat", remat)):
+        if value is None:
+            continue
+        if not hasattr(cfg, field):
+            raise ValueError(
+                f"model {model!r} has no {field} variant; models with one: "
+                f"{sorted(n for n, s in MODELS.items() if hasattr(s.config('tiny'), field))}"
+            )
+        cfg = dataclasses.replace(cfg, **{field: value})
+    if getattr(cfg, "scan_layers", False):
+        variant += "+scan"
+    if getattr(cfg, "remat", False):
+        variant += "+remat"
     if mesh is not None and mesh_shape is not None:
         raise ValueError("give either mesh or mesh_shape, not both")
     if mesh is None:
@@ -137,7 +159,7 @@ def make_case(
         materialize = config_name == "tiny"
     state = batch = None
     case = Case(
-        name=f"{model}/{layout_obj.name}/{config_name}",
+        name=f"{model}/{layout_obj.name}/{config_name}{variant}",
         model=model,
         layout=layout_obj.name,
         config_name=config_name,

@@ -15,7 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.gpt import Block
-from models.layers import DenseGeneral, LayerNorm, constrain, cross_entropy, param_init
+from models.layers import (
+    DenseGeneral,
+    LayerNorm,
+    constrain,
+    cross_entropy,
+    param_init,
+    repeat_blocks,
+)
 from models.spec import ModelSpec
 
 _RESIDUAL = ("activation_batch", "activation_norm_length", "activation_embed")
@@ -35,6 +42,10 @@ class ViTConfig:
     num_classes: int = 1000  # classification classes
     batch_size: int = 32  # global batch
     dtype: Any = jnp.bfloat16  # activation / matmul dtype (params are float32)
+    # Blocks under one nn.scan (params stacked on a leading "layers" axis) instead of unrolled.
+    scan_layers: bool = False
+    # jax.checkpoint around each block: forward recomputed in the backward pass.
+    remat: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -96,8 +107,16 @@ class ViT(nn.Module):
             jnp.float32,
         )
         x = constrain(x + positions[None].astype(cfg.dtype), _RESIDUAL)
-        for i in range(cfg.num_layers):
-            x = Block(cfg, causal=False, name=f"block_{i}")(x)
+        x = repeat_blocks(
+            Block,
+            cfg.num_layers,
+            x,
+            scan=cfg.scan_layers,
+            remat=cfg.remat,
+            name="block",
+            config=cfg,
+            causal=False,
+        )
         x = LayerNorm(dtype=cfg.dtype, name="ln_final")(x)
         pooled = constrain(jnp.mean(x, axis=1), ("activation_batch", "activation_embed"))
         logits = DenseGeneral(
