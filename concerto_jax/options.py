@@ -18,9 +18,11 @@ class Options:
     internal failure falls back to the original step with one warning.
     """
 
-    # Passes, in pipeline order. Known names: "schedule" (RCPSP order of the
-    # program), "fuse_collectives" (merge fusible collectives). An empty
-    # tuple runs the identity pipeline (capture -> IR -> print -> execute).
+    # Passes, in pipeline order; the accepted names are those of
+    # concerto_jax.pipeline.PASS_TABLE: "schedule" (RCPSP order of the
+    # program), "fuse_collectives" (merge fusible collectives into one,
+    # fused size chosen by the cost model). An empty tuple runs the identity
+    # pipeline (capture -> IR -> print -> execute).
     passes: tuple[str, ...] = ()
     # Run the IR verifier after parsing and after every pass (cheap; keep on).
     verify: bool = True
@@ -42,7 +44,12 @@ class Options:
     scheduler: ScheduleOptions = ScheduleOptions()
 
     def __post_init__(self):
-        known = {"schedule", "fuse_collectives"}
+        from concerto_jax.pipeline import pass_names
+
+        if isinstance(self.passes, str):
+            raise TypeError(f"passes must be a tuple of pass names, got the string {self.passes!r}; "
+                            f"write passes=({self.passes!r},)")
+        known = pass_names()
         unknown = [p for p in self.passes if p not in known]
         if unknown:
             raise ValueError(f"unknown pass name(s) {unknown}; expected some of {sorted(known)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from hlo_passes.collective_fusion import cross_replica_variadic_all_reduces
 from hlo_passes.ir import HloModule, Instruction
 from hlo_passes.shapes import Shape
 
@@ -90,6 +91,7 @@ def spmd_to_replicated(module: HloModule) -> int:
     changed += unique_all_reduce_channels(module)
     module.num_partitions = 1
     module.replica_count = num_devices
+    changed += cross_replica_variadic_all_reduces(module)  # fused (tuple) all-reduces
     return changed
 
 

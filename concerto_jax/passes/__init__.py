@@ -1,6 +1,8 @@
-"""Passes of the ``optimize`` pipeline, registered by name in ``concerto_jax.pipeline.PASSES``.
+"""Passes of the ``optimize`` pipeline, listed by name in ``concerto_jax.pipeline.PASS_TABLE``.
 
 * ``schedule``: order the entry computation by the RCPSP scheduler (Concerto §4).
-"""
+* ``fuse_collectives``: merge compatible collectives into variadic ones, fused sizes
+  chosen by the cost model (Concerto §4.5, Algorithm 1).
 
-from concerto_jax.passes import schedule_pass  # noqa: F401  (registers "schedule")
+The pipeline imports a pass's module when the pass first runs.
+"""

@@ -81,6 +81,9 @@ def schedule_pass(module, options) -> PassOutcome:
         if result.makespan_us > 0 else 1.0,
         "source": result.source,
         "solver_s": round(result.wall_time_s, 2),
+        "input_peak_bytes": result.input_peak_memory_bytes,
+        "peak_bytes": result.peak_memory_bytes,
+        "memory_limit_bytes": result.memory_limit_bytes,
     }
     log.info("schedule pass: %s", stats)
     return PassOutcome(changed=changed, stats=stats)

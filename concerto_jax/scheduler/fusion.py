@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 
 from concerto_jax.scheduler.evaluate import simulate
 from concerto_jax.scheduler.heuristics import list_schedule
+from concerto_jax.scheduler.progress import Progress
 from concerto_jax.taskgraph import CollectiveInfo, Event, Task, TaskGraph
 
 logger = logging.getLogger(__name__)
@@ -135,6 +136,7 @@ def fuse_collectives(
     cost_fn: CostFn,
     events: Sequence[Event] | None = None,
     max_evaluations: int | None = None,
+    progress: bool = True,
 ) -> FusionResult:
     """Fuse interchangeable collectives where it shortens the (list-heuristic) schedule.
 
@@ -145,6 +147,7 @@ def fuse_collectives(
       events: the schedule whose collective start order defines the walk (default:
         ``list_schedule(graph)``).
       max_evaluations: stop trying merges after this many candidate evaluations.
+      progress: throttled INFO lines (collectives walked, evaluations, best makespan, elapsed).
 
     Returns:
       The fused graph, the mapping to original names, and the makespans.
@@ -162,7 +165,9 @@ def fuse_collectives(
     current, best = graph, before
     new_index = list(range(len(graph)))
     evaluations = 0
-    for c in colls:
+    prog = Progress(logger, "fusion", enabled=progress)
+    for k, c in enumerate(colls):
+        prog.update(collectives=f"{k}/{len(colls)}", evaluations=evaluations, best_makespan_us=best)
         key = fusion_key(graph.tasks[c])
         b = open_bucket.get(key)
         merged = False

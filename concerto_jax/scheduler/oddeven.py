@@ -35,6 +35,7 @@ from concerto_jax.scheduler.checker import peak_memory
 from concerto_jax.scheduler.decode import decode_window
 from concerto_jax.scheduler.evaluate import IncrementalTimeline
 from concerto_jax.scheduler.program_model import solve_program
+from concerto_jax.scheduler.progress import Progress
 from concerto_jax.scheduler.rcpsp import SchedulerError, SolverParams
 from concerto_jax.taskgraph import Event, TaskGraph
 
@@ -52,6 +53,7 @@ class OddEvenOptions:
     seed: int = 0  # CP-SAT seed
     time_budget_s: float | None = 20.0  # no new block once it would likely end past this (s)
     memory_limit_bytes: int | None = None  # memory resource inside each block (None: off)
+    progress: bool = True  # throttled INFO lines (block, best makespan, elapsed) while it runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +107,7 @@ def odd_even(graph: TaskGraph, events: Sequence[Event], options: OddEvenOptions 
     stream_of = np.fromiter((t.stream for t in graph.tasks), dtype=np.int64, count=len(graph))
     mem = options.memory_limit_bytes
     window_sizes: list[int] = []
+    progress = Progress(logger, "odd-even", enabled=options.progress)
     for rnd in range(options.rounds):
         if _over_budget(options, t0):
             break
@@ -123,6 +126,8 @@ def odd_even(graph: TaskGraph, events: Sequence[Event], options: OddEvenOptions 
             tb = now
             if _over_budget(options, t0, block_cost):
                 break
+            progress.update(round=rnd, block=f"{lo // b + 1}/{len(bounds) - 1}",
+                            best_makespan_us=best, accepted=accepted)
             block = order[lo:hi]
             if len(block) < 2:
                 continue

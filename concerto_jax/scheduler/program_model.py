@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 
 from ortools.sat.python import cp_model
 
-from concerto_jax.scheduler.rcpsp import SchedulerError, SolverParams, make_solver
+from concerto_jax.scheduler.rcpsp import SchedulerError, SolverParams, make_solver, solution_callback
 from concerto_jax.taskgraph import TaskGraph
 
 logger = logging.getLogger(__name__)
@@ -163,7 +163,8 @@ def solve_program(
     if params.export_path:
         model.export_to_file(params.export_path)
     solver = make_solver(params)
-    status = solver.solve(model)
+    status = solver.solve(model, solution_callback(params, f"CP-SAT program model ({len(subset)} tasks)",
+                                                   res, " µs"))
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise SchedulerError(
             f"CP-SAT returned {solver.status_name(status)} on {len(subset)} tasks within "

@@ -52,6 +52,7 @@ class SolverParams:
     log_search: bool = False  # CP-SAT search log on stderr
     export_path: str | None = None  # debug: write the model proto here before solving
     deterministic_time: float | None = None  # CP-SAT deterministic-time limit (reproducible)
+    progress: bool = False  # log a throttled line per improving solution (INFO, with elapsed time)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +203,16 @@ def _longest_between(ks, dur, succs) -> int:
     return longest
 
 
+def solution_callback(params: SolverParams, what: str, scale: float = 1.0, unit: str = ""):
+    """A progress callback for ``solver.solve`` when ``params.progress`` (else None)."""
+    if not params.progress:
+        return None
+    from concerto_jax.scheduler.progress import Progress, SolutionProgress
+
+    progress = Progress(logger, what)
+    return SolutionProgress(progress, scale, unit) if progress.enabled else None
+
+
 def make_solver(params: SolverParams) -> cp_model.CpSolver:
     """A ``CpSolver`` configured from ``params``."""
     solver = cp_model.CpSolver()
@@ -307,7 +318,7 @@ def solve_rcpsp(
         if params.num_workers >= 3:
             solver.parameters.subsolvers.append("default_lp")
     solver.parameters.push_all_tasks_toward_start = True
-    status = solver.solve(model)
+    status = solver.solve(model, solution_callback(params, f"CP-SAT {instance.name}"))
     wall = time.perf_counter() - t0
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise SchedulerError(

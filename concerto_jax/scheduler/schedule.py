@@ -40,8 +40,35 @@ class ScheduleOptions:
     full_model_deterministic_time: float | None = 20.0  # its deterministic-time limit
     num_workers: int = 1  # CP-SAT workers for the whole-graph solve (1: reproducible)
     seed: int = 0  # CP-SAT seed
-    memory_limit_bytes: int | None = None  # peak live bytes; None: memory not modelled
+    # Peak live bytes allowed (the memory model of ``checker.peak_memory``). None: the
+    # limit is ``memory_limit_ratio`` x the peak of the input order (XLA's order where
+    # the caller has it, program order otherwise).
+    memory_limit_bytes: int | None = None
+    # With no byte limit: limit = ratio x the input order's peak (1.0: never above the
+    # order we started from; 1.2: allow 20 % more). None: memory not modelled at all.
+    memory_limit_ratio: float | None = 1.0
     odd_even: OddEvenOptions | None = OddEvenOptions()  # None: no window search
+    # Cap on candidate merges the "fuse_collectives" pass evaluates (None: no cap).
+    fusion_max_evaluations: int | None = 400
+    # Log progress lines (elapsed time, best makespan) at INFO while solving; they reach
+    # the user only if logging is configured (``optimize`` stays quiet otherwise).
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.memory_limit_bytes is not None and self.memory_limit_bytes <= 0:
+            raise ValueError(f"memory_limit_bytes must be positive, got {self.memory_limit_bytes}")
+        if self.memory_limit_ratio is not None and self.memory_limit_ratio < 1.0:
+            raise ValueError(f"memory_limit_ratio must be >= 1.0 (a limit below the input order's "
+                             f"peak may have no solution), got {self.memory_limit_ratio}; set "
+                             "memory_limit_bytes for an absolute limit")
+
+    def memory_limit_for(self, input_peak_bytes: int | None) -> int | None:
+        """The limit in bytes for an input order whose peak is ``input_peak_bytes``."""
+        if self.memory_limit_bytes is not None:
+            return self.memory_limit_bytes
+        if self.memory_limit_ratio is None or input_peak_bytes is None:
+            return None
+        return int(self.memory_limit_ratio * input_peak_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +82,8 @@ class ScheduleResult:
       input_makespan_us: the input order's makespan (``None`` without an input).
       source: which candidate won before odd-even (``input``, ``heuristic``, ``cp``).
       peak_memory_bytes: peak live bytes of the chosen schedule's timeline.
+      input_peak_memory_bytes: the same for the input order (program order without one).
+      memory_limit_bytes: the limit the schedule was held to (None: not modelled).
       wall_time_s: total time.
       stats: per-stage figures (makespans, times, block counts).
     """
@@ -67,6 +96,8 @@ class ScheduleResult:
     peak_memory_bytes: int
     wall_time_s: float
     stats: dict
+    input_peak_memory_bytes: int = 0
+    memory_limit_bytes: int | None = None
 
 
 def schedule(
@@ -84,7 +115,9 @@ def schedule(
     Returns:
       The best schedule found.
 
-    Memory: with ``options.memory_limit_bytes`` set, every candidate (input, list
+    Memory: the limit is ``options.memory_limit_for(peak of the input order)``: by
+    default the input order's own peak (program order when ``initial`` is None), so the
+    result never needs more memory than what it started from. Every candidate (input, list
     heuristic run with the limit, program order as a fallback, CP-SAT, each odd-even
     splice) is timed and its ``checker.peak_memory`` compared with the limit; those over
     it are rejected. So if the input order is within the limit, so is the result. If no
@@ -107,8 +140,14 @@ def schedule(
     """
     t0 = time.perf_counter()
     graph.validate()
-    limit = options.memory_limit_bytes
-    stats: dict = {"tasks": len(graph)}
+    if initial is not None:
+        initial = list(initial)
+        graph.check_schedule(initial)
+    start_order = initial if initial is not None else graph.synchronous_schedule()
+    stl = simulate(graph, start_order)
+    input_peak = peak_memory(graph, stl.start, stl.end)
+    limit = options.memory_limit_for(input_peak)
+    stats: dict = {"tasks": len(graph), "input_peak_bytes": input_peak, "memory_limit_bytes": limit}
     cands: list[tuple[float, str, list[Event], int]] = []  # (makespan, source, events, peak)
     rejected: list[tuple[int, float, str, list[Event]]] = []  # over the memory limit
 
@@ -125,9 +164,7 @@ def schedule(
 
     input_makespan = None
     if initial is not None:
-        initial = list(initial)
-        graph.check_schedule(initial)
-        input_makespan = consider("input", initial)
+        input_makespan = consider("input", initial, stl)
     th = time.perf_counter()
     heur = list_schedule(graph, memory_limit_bytes=limit)
     htl = simulate(graph, heur)
@@ -141,7 +178,8 @@ def schedule(
     if len(graph) <= options.full_model_max_tasks and htl.makespan > lb + 1e-9:
         params = SolverParams(time_limit_s=options.full_model_time_limit_s,
                               num_workers=options.num_workers, seed=options.seed,
-                              deterministic_time=options.full_model_deterministic_time)
+                              deterministic_time=options.full_model_deterministic_time,
+                              progress=options.progress)
         try:
             sol = solve_program(graph, params, hint_start_us=htl.start, horizon_us=htl.makespan,
                                 memory_limit_bytes=limit)
@@ -163,6 +201,8 @@ def schedule(
     makespan, source, events, _ = min(cands, key=lambda c: (c[0], order[c[1]]))
     if options.odd_even is not None and makespan > lb + 1e-9 and len(graph) > 2:
         oe_opts = options.odd_even
+        if not options.progress:
+            oe_opts = dataclasses.replace(oe_opts, progress=False)
         if limit_for_search is not None and oe_opts.memory_limit_bytes is None:
             oe_opts = dataclasses.replace(oe_opts, memory_limit_bytes=limit_for_search)
         oe = odd_even(graph, events, oe_opts)
@@ -175,4 +215,4 @@ def schedule(
     logger.info("scheduled %d tasks: %.1f µs (lower bound %.1f, input %s, from %s) in %.2fs",
                 len(graph), makespan, lb, input_makespan, source, wall)
     return ScheduleResult(tuple(events), makespan, lb, input_makespan, source,
-                          peak_memory(graph, tl.start, tl.end), wall, stats)
+                          peak_memory(graph, tl.start, tl.end), wall, stats, input_peak, limit)
