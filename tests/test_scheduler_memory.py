@@ -1,5 +1,6 @@
 """Scheduler: memory limit end to end, incremental odd-even splicing, determinism."""
 
+import dataclasses
 import random
 
 import pytest
@@ -63,7 +64,7 @@ def test_schedule_never_exceeds_limit_when_input_is_within():
     g = prefetch_graph(layers=8)
     initial = g.synchronous_schedule()
     limit = _peak(g, initial)  # the program order's own peak: tight
-    unlimited = schedule(g, FAST, initial=initial)
+    unlimited = schedule(g, dataclasses.replace(FAST, memory_limit_ratio=None), initial=initial)
     assert unlimited.peak_memory_bytes > limit  # the limit matters on this graph
     opts = ScheduleOptions(full_model_time_limit_s=10.0, full_model_deterministic_time=0.5,
                            memory_limit_bytes=limit, odd_even=FAST.odd_even)
