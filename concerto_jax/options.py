@@ -19,7 +19,8 @@ class Options:
     """
 
     # Passes, in pipeline order. Known names: "schedule" (RCPSP order of the
-    # program), "fuse_collectives" (merge fusible collectives). An empty
+    # program), "fuse_collectives" (merge fusible collectives), "pin" (opt-barriers
+    # that keep each collective's planned window through XLA's GPU scheduler). An empty
     # tuple runs the identity pipeline (capture -> IR -> print -> execute).
     passes: tuple[str, ...] = ()
     # Run the IR verifier after parsing and after every pass (cheap; keep on).
@@ -42,7 +43,7 @@ class Options:
     scheduler: ScheduleOptions = ScheduleOptions()
 
     def __post_init__(self):
-        known = {"schedule", "fuse_collectives"}
+        known = {"schedule", "fuse_collectives", "pin"}
         unknown = [p for p in self.passes if p not in known]
         if unknown:
             raise ValueError(f"unknown pass name(s) {unknown}; expected some of {sorted(known)}")
