@@ -21,8 +21,9 @@ class Options:
     # Passes, in pipeline order; the accepted names are those of
     # concerto_jax.pipeline.PASS_TABLE: "schedule" (RCPSP order of the
     # program), "fuse_collectives" (merge fusible collectives into one,
-    # fused size chosen by the cost model). An empty tuple runs the identity
-    # pipeline (capture -> IR -> print -> execute).
+    # fused size chosen by the cost model), "pin" (opt-barriers that keep each
+    # collective's planned window through XLA's GPU scheduler). An empty tuple
+    # runs the identity pipeline (capture -> IR -> print -> execute).
     passes: tuple[str, ...] = ()
     # Run the IR verifier after parsing and after every pass (cheap; keep on).
     verify: bool = True

@@ -40,6 +40,7 @@ PASS_TABLE: dict[str, str] = {
     # module is imported only when the pass runs (no pipeline <-> passes import cycle).
     "schedule": "concerto_jax.passes.schedule_pass:schedule_pass",
     "fuse_collectives": "concerto_jax.passes.fuse_pass:fuse_pass",
+    "pin": "concerto_jax.passes.pin_pass:pin_pass",
 }
 """The entry table of the passes, owned by the pipeline."""
 

@@ -147,6 +147,12 @@ def _add(comp, module, before, opcode, shape, operands, attrs=None, **kw):
     return comp.add_instruction(inst, before=before)
 
 
+def _is_pin_tuple(inst: Instruction) -> bool:
+    """A tuple that feeds a window pin's opt-barrier (``hlo_passes.pins``)."""
+    return inst.opcode == "tuple" and len(inst.users) == 1 and inst.users[0].opcode == "opt-barrier" \
+        and inst.users[0].name.startswith("pin_")
+
+
 def cpu_divide_by_broadcast(module: HloModule) -> int:
     """Rewrites ``A / broadcast(B)`` into ``A * broadcast(1 / B)`` where ``B`` has one use,
     as XLA:CPU's algebraic simplifier does, before the module is compiled through StableHLO.
@@ -182,7 +188,9 @@ def cpu_divide_by_broadcast(module: HloModule) -> int:
                 continue
             b = bcast.operands[0]
             # Constant divisors are XLA's "A / Const" rule, which sees through the folding.
-            if b.opcode == "constant" or b.users != [bcast] or b is comp.root:
+            # Window pins (hlo_passes.pins) are not uses XLA's jitted program had.
+            uses = [u for u in b.users if not _is_pin_tuple(u)]
+            if b.opcode == "constant" or uses != [bcast] or b is comp.root:
                 continue
             meta = {"metadata": inst.attrs["metadata"]} if "metadata" in inst.attrs else {}
             kept = [i for i, d in enumerate(b.shape.dims) if d != 1]

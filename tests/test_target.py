@@ -8,7 +8,7 @@ from concerto_jax.target import (
     CLUSTERS,
     CompileOptions,
     GpuPluginMissingError,
-    compile_for_target,
+    compile_fn,
     gpu_plugin_available,
     profile_text,
     require_gpu_plugin,
@@ -63,7 +63,7 @@ def _mlp_case(cluster):
 def test_stock_compile_with_lhs_dumps():
     cluster = CLUSTERS["h100_sxm_8"]
     fn, args, sh = _mlp_case(cluster)
-    tc = compile_for_target(fn, args, cluster, in_shardings=sh)
+    tc = compile_fn(fn, args, cluster, in_shardings=sh)
     assert "is_scheduled=true" in tc.final_text and "all-reduce-start" in tc.final_text
     assert tc.before_lhs_text is not None and "all-reduce-start" in tc.before_lhs_text
     assert tc.after_lhs_text is not None
@@ -73,13 +73,13 @@ def test_stock_compile_with_lhs_dumps():
 def test_pgle_and_windowed_einsum_variants(tmp_path):
     cluster = CLUSTERS["a100_80_8"]
     fn, args, sh = _mlp_case(cluster)
-    stock = compile_for_target(fn, args, cluster, in_shardings=sh, options=CompileOptions(dump_lhs=False))
+    stock = compile_fn(fn, args, cluster, in_shardings=sh, options=CompileOptions(dump_lhs=False))
     profile = write_profile(tmp_path / "p.pbtxt", {"all-reduce-start": 500.0})
-    pgle = compile_for_target(fn, args, cluster, in_shardings=sh,
+    pgle = compile_fn(fn, args, cluster, in_shardings=sh,
                               options=CompileOptions(pgle_profile=profile, dump_lhs=False))
     assert pgle.options["xla_gpu_pgle_profile_file_or_directory_path"] == profile
     assert "is_scheduled=true" in pgle.final_text
-    we = compile_for_target(fn, args, cluster, in_shardings=sh,
+    we = compile_fn(fn, args, cluster, in_shardings=sh,
                             options=CompileOptions(windowed_einsum_mib=0, dump_lhs=False))
     assert we.options["xla_gpu_threshold_for_windowed_einsum_mib"] == 0
     assert "is_scheduled=true" in we.final_text and stock.before_lhs_text is None

@@ -1,9 +1,13 @@
 """Target clusters and deviceless GPU compilation (needs ``pip install -e .[gpu]``).
 
 Pipeline: ``Cluster`` (``concerto_jax.costmodel.cluster``) -> ``topology`` /
-``target_mesh`` -> ``compile_lowered`` / ``compile_for_target`` -> ``TargetCompile``
+``target_mesh`` -> ``compile_lowered`` / ``compile_fn`` -> ``TargetCompile``
 (XLA's final scheduled module, and the modules before/after its latency hiding
 scheduler), optionally steered by a PGLE profile from our cost model (``pgle``).
+
+``compile_for_target`` (``program``) runs the optimize pipeline on a step, pins
+the plan with opt-barriers, compiles our module for the target as a replicated
+program, and measures planned vs final vs stock step times (``fidelity``).
 """
 
 from concerto_jax.costmodel.cluster import CLUSTERS, Cluster, get_cluster
@@ -11,7 +15,7 @@ from concerto_jax.target.compile import (
     CompileOptions,
     GpuPluginMissingError,
     TargetCompile,
-    compile_for_target,
+    compile_fn,
     compile_lowered,
     gpu_plugin_available,
     require_gpu_plugin,
@@ -19,9 +23,11 @@ from concerto_jax.target.compile import (
     topology,
 )
 from concerto_jax.target.pgle import costs_from_graph, profile_text, write_profile
+from concerto_jax.target.program import TargetFallbackWarning, TargetResult, compile_for_target
 
 __all__ = [
     "CLUSTERS", "Cluster", "CompileOptions", "GpuPluginMissingError", "TargetCompile",
-    "compile_for_target", "compile_lowered", "costs_from_graph", "get_cluster", "gpu_plugin_available",
-    "profile_text", "require_gpu_plugin", "target_mesh", "topology", "write_profile",
+    "TargetFallbackWarning", "TargetResult",
+    "compile_fn", "compile_for_target", "compile_lowered", "costs_from_graph", "get_cluster",
+    "gpu_plugin_available", "profile_text", "require_gpu_plugin", "target_mesh", "topology", "write_profile",
 ]

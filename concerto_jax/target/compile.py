@@ -70,11 +70,25 @@ def topology(cluster: Cluster):
         target_config=cluster.target_config_text())
 
 
-def target_mesh(cluster: Cluster, shape: Sequence[int], axis_names: Sequence[str]):
-    """An Auto-axes ``Mesh`` of ``cluster``'s deviceless devices (row-major: the last axis is innermost)."""
+def target_mesh(cluster: Cluster | str, shape: Sequence[int], axis_names: Sequence[str]):
+    """An Auto-axes ``Mesh`` of a cluster's deviceless devices (row-major: the last axis is innermost).
+
+    Args:
+      cluster: a ``Cluster`` or its name in ``concerto_jax.costmodel.CLUSTERS`` (e.g.
+        ``"h100_sxm_8"``, ``"h100_sxm_2x8"``).
+      shape: mesh shape; its product must be the cluster's device count.
+      axis_names: one name per mesh axis.
+
+    Raises:
+      ValueError: unknown cluster name, or a shape that does not cover the cluster.
+    """
     import numpy as np
     from jax.sharding import AxisType, Mesh
 
+    if isinstance(cluster, str):
+        from concerto_jax.costmodel.cluster import get_cluster
+
+        cluster = get_cluster(cluster)
     devices = sorted(topology(cluster).devices, key=lambda d: d.id)
     if int(np.prod(shape)) != len(devices):
         raise ValueError(f"mesh shape {tuple(shape)} has {int(np.prod(shape))} devices; "
@@ -93,12 +107,14 @@ class CompileOptions:
       windowed_einsum_mib: enable windowed einsum (collective matmul) for
         operands above this size in MiB; None leaves it off (XLA default).
       dump_lhs: also return the modules just before and after the latency hiding scheduler.
+      dump_spmd: also return the per-device module right after SPMD partitioning.
       extra: more XLA options (values must be Python bools where boolean).
     """
 
     pgle_profile: str | None = None
     windowed_einsum_mib: float | None = None
     dump_lhs: bool = True
+    dump_spmd: bool = False
     extra: tuple[tuple[str, object], ...] = ()
 
     def compiler_options(self, dump_dir: str | None) -> dict[str, object]:
@@ -109,7 +125,8 @@ class CompileOptions:
             opts["xla_gpu_threshold_for_windowed_einsum_mib"] = int(self.windowed_einsum_mib)
         if dump_dir is not None:
             opts["xla_dump_to"] = dump_dir
-            opts["xla_dump_hlo_pass_re"] = "latency-hiding-scheduler"
+            opts["xla_dump_hlo_pass_re"] = ("spmd-partitioning|latency-hiding-scheduler" if self.dump_spmd
+                                             else "latency-hiding-scheduler")
         return opts
 
 
@@ -124,6 +141,8 @@ class TargetCompile:
       after_lhs_text: the module right after it.
       compile_s: wall time of ``compile``.
       options: the XLA options used.
+      post_spmd_text: the module right after SPMD partitioning (None unless ``dump_spmd``).
+      compiled: JAX's ``Compiled`` object (None where the module was compiled outside JAX's jit).
     """
 
     cluster: Cluster
@@ -132,6 +151,8 @@ class TargetCompile:
     after_lhs_text: str | None
     compile_s: float
     options: dict[str, object]
+    post_spmd_text: str | None = None
+    compiled: object = None
 
 
 def _read_dump(dump_dir: str, marker: str) -> str | None:
@@ -155,18 +176,19 @@ def compile_lowered(lowered, cluster: Cluster, options: CompileOptions = Compile
     """
     require_gpu_plugin()
     with tempfile.TemporaryDirectory(prefix="concerto_lhs_") as d:
-        opts = options.compiler_options(d if options.dump_lhs else None)
+        opts = options.compiler_options(d if options.dump_lhs or options.dump_spmd else None)
         t0 = time.perf_counter()
         compiled = lowered.compile(compiler_options=opts)
         dt = time.perf_counter() - t0
         before = _read_dump(d, "before_latency-hiding-scheduler") if options.dump_lhs else None
         after = _read_dump(d, "after_latency-hiding-scheduler") if options.dump_lhs else None
+        spmd = _read_dump(d, "after_spmd-partitioning") if options.dump_spmd else None
     opts.pop("xla_dump_to", None)
     log.info("compiled for %s in %.1fs (options %s)", cluster.name, dt, opts)
-    return TargetCompile(cluster, compiled.as_text(), before, after, dt, opts)
+    return TargetCompile(cluster, compiled.as_text(), before, after, dt, opts, spmd, compiled)
 
 
-def compile_for_target(fn, abstract_args: Sequence, cluster: Cluster, *, in_shardings=None,
+def compile_fn(fn, abstract_args: Sequence, cluster: Cluster, *, in_shardings=None,
                        out_shardings=None, options: CompileOptions = CompileOptions()) -> TargetCompile:
     """``jax.jit(fn, in_shardings, out_shardings)`` traced on ``abstract_args`` and compiled for ``cluster``.
 

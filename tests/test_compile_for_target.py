@@ -1,0 +1,60 @@
+"""compile_for_target: the optimised, pinned program compiled deviceless for a target GPU (needs the CUDA plugin)."""
+
+import os
+
+import pytest
+
+import concerto_jax
+from concerto_jax.target import gpu_plugin_available
+
+pytestmark = pytest.mark.skipif(not gpu_plugin_available(), reason="CUDA PJRT plugin missing: pip install -e .[gpu]")
+
+
+def _mlp():
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = concerto_jax.target_mesh("h100_sxm_8", (2, 4), ("dp", "tp"))
+
+    def loss(w1, w2, x):
+        return jnp.mean((jnp.tanh(x @ w1) @ w2) ** 2)
+
+    args = [jax.ShapeDtypeStruct((512, 2048), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "tp"))),
+            jax.ShapeDtypeStruct((2048, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("tp", None))),
+            jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P("dp", None)))]
+    return jax.jit(jax.grad(loss, argnums=(0, 1))), args
+
+
+def test_compile_for_target_pins_and_measures(tmp_path):
+    step, args = _mlp()
+    res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=concerto_jax.Options(
+        passes=("schedule",), fallback=False, dump_dir=str(tmp_path)))
+    assert res.fallback_reason is None
+    assert [p.name for p in res.passes] == ["schedule", "pin"]
+    assert res.pins > 0 and res.emitted_text.count("opt-barrier(") == 2 * res.pins
+    # XLA's final module of OUR program: scheduled, async collectives, and our barriers in it.
+    assert "is_scheduled=true" in res.final_text and "all-reduce-start" in res.final_text
+    # XLA turns barriers into dependencies before it schedules; its module of our program differs from stock.
+    assert res.final_text != res.stock_final_text and "replica_count=8" in res.final_text
+    assert "is_scheduled=true" in res.scheduled_text and "all-reduce-done" in res.scheduled_text
+    assert min(res.planned_step_us, res.final_step_us, res.stock_step_us) > 0
+    assert 0.0 <= res.overlap_kept <= 1.0 and res.planned_overlap_us > 0
+    for name in ("captured.hlo", "emitted.hlo", "scheduled.hlo", "final.hlo", "stock_final.hlo"):
+        assert os.path.getsize(tmp_path / name) > 0
+
+
+def test_compile_for_target_falls_back_with_one_warning(monkeypatch):
+    from concerto_jax.target import program
+
+    def broken(*a, **k):
+        raise RuntimeError("simulated XLA rejection")
+
+    monkeypatch.setattr(program, "compile_replicated_for_target", broken)
+    step, args = _mlp()
+    with pytest.warns(concerto_jax.TargetFallbackWarning, match="simulated XLA rejection") as rec:
+        res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8")
+    assert len([w for w in rec if issubclass(w.category, concerto_jax.TargetFallbackWarning)]) == 1
+    assert "simulated XLA rejection" in res.fallback_reason
+    assert res.final_text == res.stock_final_text and res.final_step_us == res.stock_step_us
