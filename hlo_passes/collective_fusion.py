@@ -70,7 +70,7 @@ def fusion_key(inst: Instruction) -> tuple | None:
         if attr == "to_apply":
             key.append(None if value is None else _computation_key(value))
         else:
-            key.append(inst.dimensions if attr == "dimensions" else value)
+            key.append(tuple(inst.dimensions or ()) if attr == "dimensions" else value)
     return tuple(key)
 
 

@@ -13,7 +13,9 @@ from concerto_jax.scheduler import (
     solve_rcpsp,
 )
 
-ROOT = os.environ.get("PSPLIB_ROOT", "/work/shared/psplib")
+from bench.psplib_bench import psplib_root
+
+ROOT = psplib_root()  # $PSPLIB_ROOT, else ../shared/psplib next to the repository
 pytestmark = pytest.mark.skipif(not os.path.isdir(ROOT), reason="PSPLIB data not available")
 
 J30 = ["j301_1.sm", "j306_1.sm", "j3017_1.sm", "j305_3.sm", "j309_8.sm", "j3014_7.sm",
