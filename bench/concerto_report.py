@@ -99,13 +99,15 @@ def markdown(rows: Sequence[dict], command: str, cost_desc: dict, options: Conce
             "| case | graph_from | xla_coverage_pct | xla_extra_insts | xla_opcode_mismatch | xla_repairs | "
             "after_lhs_coverage_pct | xla_after_lhs_step_us | pre_lhs_step_us | compile_s | sched_s_from_xla | "
             "sched_s_from_pre | sched_eval_us | rcpsp_bound_status | sf_collectives | sf_fused_groups | sf_s | "
-            "xla_peak_mem_mib | ours_peak_mem_mib | case_wall_s |", "|" + "---|" * 20]
+            "xla_peak_mem_mib | ours_peak_mem_mib | xla_peak_model_mib | ours_peak_model_mib | "
+            "memory_limit_mib | ours_within_memory_limit | case_wall_s |", "|" + "---|" * 24]
     for r in ok:
         out.append("| " + " | ".join(_fmt(r[c]) for c in (
             "case", "graph_from", "xla_coverage_pct", "xla_extra_insts", "xla_opcode_mismatch", "xla_repairs",
             "after_lhs_coverage_pct", "xla_after_lhs_step_us", "pre_lhs_step_us", "compile_s", "sched_s_from_xla",
             "sched_s_from_pre", "sched_eval_us", "rcpsp_bound_status", "sf_collectives", "sf_fused_groups", "sf_s",
-            "xla_peak_mem_mib", "ours_peak_mem_mib", "case_wall_s")) + " |")
+            "xla_peak_mem_mib", "ours_peak_mem_mib", "xla_peak_model_mib", "ours_peak_model_mib",
+            "memory_limit_mib", "ours_within_memory_limit", "case_wall_s")) + " |")
     out += ["", "## Legend", "",
             "Times: microseconds per step on one device, simulated by `concerto_jax.simulator.simulate` with the",
             "cost model of the case's cluster (overlap slowdown included) on ONE task graph: the module XLA's",
@@ -128,6 +130,9 @@ def markdown(rows: Sequence[dict], command: str, cost_desc: dict, options: Conce
             "  valid bound on the simulated step: with a fixed order, times only grow with the slowdown);",
             "  `ours_gap_to_bound_pct` is relative to `lower_bound` (the issue's criterion).",
             "- exposed % = communication with no kernel running / step. Peak memory = live result bytes.",
+            "  `*_peak_mem_mib`: simulator timeline (overlap slowdown); `*_peak_model_mib`: the scheduler's",
+            "  memory model (full-speed timeline, `scheduler.peak_memory`), the one the limit is enforced in;",
+            "  `memory_limit_mib` = XLA's order's model peak x `--memory-ratio` (default 1.0).",
             "- Stability: each task's duration times an independent uniform factor; ours (computed on the",
             "  unperturbed costs) and XLA's orders re-simulated; delta % relative to each order's unperturbed",
             "  step; `noise_wins` = trials where ours <= XLA; `noise_min_gain` = min over trials of xla/ours.",

@@ -69,6 +69,7 @@ COLUMNS = (
     "best_bound_us", "ours_gap_to_best_bound_pct", "within_5pct", "within_5pct_of_best_bound", "why_not_within_5pct",
     "critical_path_us", "total_compute_us", "total_comm_us",
     "xla_exposed_comm_pct", "ours_exposed_comm_pct", "xla_peak_mem_mib", "ours_peak_mem_mib",
+    "xla_peak_model_mib", "ours_peak_model_mib", "memory_limit_mib", "ours_within_memory_limit",
     "sched_eval_us", "sched_s", "sched_s_from_xla", "sched_s_from_pre",
     "sf_step_us", "sf_gain", "sf_collectives", "sf_fused_groups", "sf_lower_bound_us", "sf_s",
     "noise", "noise_trials", "noise_max_abs_delta_pct", "noise_mean_delta_pct", "noise_xla_max_abs_delta_pct",
@@ -235,6 +236,18 @@ def compare(before_text: str | None, final_text: str, cost_model, options: Conce
     if pre_events is not None:
         row["pre_lhs_step_us"] = round(simulate(g, pre_events, sim_opts).step_time_us, 1)
 
+    # Memory limit (default: XLA's own order's peak under the scheduler's memory model), the
+    # same for both starting orders, so the pre-LHS start cannot bring its own higher peak.
+    from concerto_jax.scheduler import peak_memory as sched_peak
+    from concerto_jax.scheduler import simulate as sched_simulate
+
+    def model_peak(events) -> int:
+        tl = sched_simulate(g, list(events))
+        return sched_peak(g, tl.start, tl.end)
+
+    xla_model_peak = model_peak(xla_events)
+    mem_limit = sched_opts.memory_limit_for(xla_model_peak)
+    sched_opts = dataclasses.replace(sched_opts, memory_limit_bytes=mem_limit)
     # Concerto(S): from XLA's order and from the pre-LHS order; keep the better under the simulator.
     cands = []
     starts = [("xla", xla_events)] + ([("pre_lhs", pre_events)] if pre_events is not None and options.from_pre_lhs else [])
@@ -254,6 +267,11 @@ def compare(before_text: str | None, final_text: str, cost_model, options: Conce
                     label, step, xla.step_time_us)
         ours_events, source = xla_events, "xla (fallback)"
     ours = simulate(g, ours_events, sim_opts)
+    ours_model_peak = model_peak(ours_events)
+    row.update(xla_peak_model_mib=round(xla_model_peak / 2**20, 2),
+               ours_peak_model_mib=round(ours_model_peak / 2**20, 2),
+               memory_limit_mib=round(mem_limit / 2**20, 2) if mem_limit is not None else "",
+               ours_within_memory_limit=mem_limit is None or ours_model_peak <= mem_limit)
     lb = lower_bounds(g)
     sbound = slowdown_bound(lb.total_compute_us, lb.total_comm_us, lb.critical_path_us, slow)
     row.update(ours_step_us=round(ours.step_time_us, 1), ours_source=source,
@@ -420,6 +438,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench/results", help="output directory")
     parser.add_argument("--prefix", default=None, help="result file prefix (default: concerto_vs_xla[_quick])")
     parser.add_argument("--trace-case", default=None, help="case exported as Perfetto traces + Gantt PNG")
+    parser.add_argument("--memory-ratio", type=float, default=1.0,
+                        help="memory limit = this x the peak of XLA's order (scheduler's memory model)")
     parser.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -439,17 +459,30 @@ def command_line(args: argparse.Namespace, program: str = "python -m bench.conce
 def run_from_args(args: argparse.Namespace, program: str = "python -m bench.concerto_vs_xla") -> int:
     """Run the comparison for parsed ``args`` (see ``add_arguments``); prints the markdown; returns the exit status."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # deviceless GPU compile: JAX on CPU (set before JAX starts)
+    import jax
+
+    # This module's imports already loaded JAX (which read the environment then): set the
+    # platform through the config too, before any backend or plugin starts.
+    jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    from concerto_jax.scheduler import ScheduleOptions
+
     cases = suite.select_cases(args.case, args.quick)
     prefix = args.prefix or ("concerto_vs_xla_quick" if args.quick or args.case else "concerto_vs_xla")
     opts = ConcertoBenchOptions(out_dir=args.out, prefix=prefix, fusion=not args.no_fusion,
                                 rcpsp_bound_s=args.rcpsp_bound_s, noise=args.noise,
-                                noise_trials=args.noise_trials, trace_case=args.trace_case)
+                                noise_trials=args.noise_trials, trace_case=args.trace_case,
+                                schedule=ScheduleOptions(memory_limit_ratio=args.memory_ratio))
     rows = run(cases, opts, command_line(args, program))
     with open(os.path.join(args.out, f"{prefix}.md")) as f:
         sys.stdout.write(f.read())
     bad = [r["case"] for r in rows if str(r["status"]).startswith("ok") and r["ours_vs_xla_ok"] is not True]
+    over = [r["case"] for r in rows if str(r["status"]).startswith("ok")
+            and r.get("ours_within_memory_limit") is not True]
+    if over:
+        log.error("ours above the memory limit on %s", over)
+        bad += over
     if bad:
         log.error("ours slower than XLA on %s", bad)
     return 0 if not bad and all(not str(r["status"]).startswith("error") for r in rows) else 1

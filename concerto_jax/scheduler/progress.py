@@ -14,6 +14,9 @@ import time
 
 from ortools.sat.python import cp_model
 
+DEFAULT_EVERY_S = 5.0
+"""Least seconds between two lines of a ``Progress`` made without ``every_s``."""
+
 
 class Progress:
     """Throttled progress lines: ``<what>: <fields> (elapsed 12.3 s)``.
@@ -21,16 +24,17 @@ class Progress:
     Args:
       logger: where the lines go (at ``level``).
       what: the task's name at the head of each line.
-      every_s: the least time between two lines (the first after ``every_s`` too).
+      every_s: the least time between two lines (the first after ``every_s`` too);
+        default ``DEFAULT_EVERY_S``.
       enabled: False makes every call a no-op.
       level: logging level of the lines.
     """
 
-    def __init__(self, logger: logging.Logger, what: str, *, every_s: float = 5.0,
+    def __init__(self, logger: logging.Logger, what: str, *, every_s: float | None = None,
                  enabled: bool = True, level: int = logging.INFO):
         self.logger = logger
         self.what = what
-        self.every_s = every_s
+        self.every_s = DEFAULT_EVERY_S if every_s is None else every_s
         self.enabled = enabled and logger.isEnabledFor(level)
         self.level = level
         self.t0 = time.perf_counter()

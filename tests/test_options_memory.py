@@ -1,0 +1,84 @@
+"""Memory-safe by default: the scheduler's limit is the peak of the order it starts from.
+
+Also: ``ScheduleOptions`` lets the user raise the limit (ratio) or set bytes, the pass
+statistics carry both peaks and the limit, and progress lines stay quiet unless logging
+is configured.
+"""
+
+import logging
+
+import pytest
+
+from concerto_jax.scheduler import ScheduleOptions, peak_memory, schedule, simulate
+from concerto_jax.scheduler.progress import Progress
+from tests.test_scheduler_memory import prefetch_graph
+
+FAST = dict(full_model_max_tasks=0, odd_even=None)
+
+
+def _peak(g, events):
+    tl = simulate(g, events)
+    return peak_memory(g, tl.start, tl.end)
+
+
+def test_default_limit_is_the_input_orders_peak():
+    g = prefetch_graph()
+    program = g.synchronous_schedule()
+    input_peak = _peak(g, program)
+    unlimited = schedule(g, ScheduleOptions(memory_limit_ratio=None, **FAST), initial=program)
+    assert unlimited.peak_memory_bytes > input_peak, "the graph must tempt the scheduler to prefetch"
+    default = schedule(g, ScheduleOptions(**FAST), initial=program)
+    assert default.memory_limit_bytes == default.input_peak_memory_bytes == input_peak
+    assert default.peak_memory_bytes <= input_peak
+    assert default.makespan_us <= default.input_makespan_us + 1e-9
+    # Without an initial order the limit is program order's peak.
+    no_initial = schedule(g, ScheduleOptions(**FAST))
+    assert no_initial.memory_limit_bytes == input_peak
+    assert no_initial.peak_memory_bytes <= input_peak
+
+
+def test_user_raises_the_limit_or_sets_bytes():
+    g = prefetch_graph()
+    program = g.synchronous_schedule()
+    input_peak = _peak(g, program)
+    raised = schedule(g, ScheduleOptions(memory_limit_ratio=2.0, **FAST), initial=program)
+    assert raised.memory_limit_bytes == 2 * input_peak
+    assert input_peak < raised.peak_memory_bytes <= 2 * input_peak
+    set_bytes = schedule(g, ScheduleOptions(memory_limit_bytes=input_peak + 1000, **FAST),
+                         initial=program)
+    assert set_bytes.memory_limit_bytes == input_peak + 1000
+    assert set_bytes.peak_memory_bytes <= input_peak + 1000
+    with pytest.raises(ValueError, match="memory_limit_ratio"):
+        ScheduleOptions(memory_limit_ratio=0.5)
+    with pytest.raises(ValueError, match="memory_limit_bytes"):
+        ScheduleOptions(memory_limit_bytes=0)
+
+
+def test_progress_is_quiet_unless_logging_is_on(caplog):
+    log = logging.getLogger("concerto_jax.scheduler.test_progress")
+    log.setLevel(logging.NOTSET)
+    logging.getLogger().setLevel(logging.WARNING)  # library default: nothing configured
+    quiet = Progress(log, "work", every_s=0.0)
+    assert not quiet.update(best=1.0) and quiet.lines == 0
+    with caplog.at_level(logging.INFO, logger=log.name):
+        loud = Progress(log, "work", every_s=0.0)
+        assert loud.update(best_makespan_us=12.5, block="1/3")
+    assert "work: best_makespan_us 12.5, block 1/3 (elapsed" in caplog.text
+
+
+def test_solver_and_odd_even_report_progress(caplog, monkeypatch):
+    from concerto_jax.scheduler import OddEvenOptions, SolverParams, odd_even, progress, solve_program
+
+    monkeypatch.setattr(progress, "DEFAULT_EVERY_S", 0.0)  # a line per update
+    g = prefetch_graph(layers=12)
+    with caplog.at_level(logging.INFO, logger="concerto_jax.scheduler"):
+        res = odd_even(g, g.synchronous_schedule(),
+                       OddEvenOptions(block_size=4, rounds=2, time_budget_s=None))
+        assert res.makespan_us <= res.initial_makespan_us
+        assert "odd-even: round 0, block 1/" in caplog.text and "best_makespan_us" in caplog.text
+        caplog.clear()
+        solve_program(g, SolverParams(time_limit_s=5.0, num_workers=1, progress=True))
+        assert "CP-SAT program model (24 tasks): best " in caplog.text and "bound " in caplog.text
+        caplog.clear()
+        solve_program(g, SolverParams(time_limit_s=5.0, num_workers=1))
+        assert "CP-SAT program model" not in caplog.text
