@@ -297,7 +297,7 @@ def _query(built, table, *queries):
     if table is not None:
         env[autoccl.plugin.TABLE_ENV] = str(table)
     proc = subprocess.run(
-        [harness, lib, *queries], capture_output=True, text=True, timeout=30, env=env
+        [harness, lib, "v3", "8", *queries], capture_output=True, text=True, timeout=30, env=env
     )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.splitlines()[1:], proc.stderr
@@ -327,6 +327,7 @@ def test_plugin_answers_per_table(built):
     assert out[2].endswith("algo=ring proto=ll channels=-1")
     assert out[3].endswith("algo=default proto=default channels=-1")
     assert "3 rule(s) loaded" in err
+    assert open(table).read().splitlines()[0] == "concerto-tuner-table 2"
     assert autoccl.plugin.plugin_env("a.so", "t.txt")["NCCL_TUNER_PLUGIN"].endswith("a.so")
 
 
@@ -335,10 +336,16 @@ def test_plugin_answers_per_table(built):
     [
         None,
         "missing",
-        "allreduce 0 x ring simple 1\n",
-        "allreduce 0 10 ring simple\n",
-        "bogus 0 10 ring simple 1\n",
-        "allreduce 10 0 ring simple 1\n",
+        "concerto-tuner-table 2\nallreduce 0 x * * ring simple 1\nend 1\n",
+        "concerto-tuner-table 2\nallreduce 0 2000 * * ring simple\nend 1\n",
+        "concerto-tuner-table 2\nbogus 0 2000 * * ring simple 1\nend 1\n",
+        "concerto-tuner-table 2\nallreduce 2000 0 * * ring simple 1\nend 1\n",
+        "concerto-tuner-table 2\nallreduce 0 2000 * * ring * 1\nend 1\n",
+        "concerto-tuner-table 2\nallreduce 0 2000 * 2/2 ring simple 1\nend 1\n",
+        "concerto-tuner-table 2\nallreduce 0 2000 * * ring simple 1\n",  # no end line
+        "concerto-tuner-table 2\nallreduce 0 2000 * * ring simple 1\nend 2\n",  # wrong count
+        "allreduce 0 2000 * * ring simple 1\nend 1\n",  # no header
+        "allreduce 0 2000 ring simple 1\n",  # the old (version 1) format
         "\x00\xff garbage",
     ],
 )

@@ -157,6 +157,14 @@ def _main(argv: list[str] | None = None) -> None:
         "all_reduces": n0,
         "median_s": float(np.median(_time_step(exe0, params, batch, args.sweep_repeats))),
     }
+    # 1b. what a user gets by default: XLA:CPU's combiner on (one all-reduce for all gradients).
+    step_d, _ = make_dp_step(loss_fn, mesh, "dp", 0, params)
+    exe_d = compile_dp_step(step_d, params, batch, disable_combiner=False)
+    _time_step(exe_d, params, batch, 2)
+    report["xla_default"] = {
+        "all_reduces": count_all_reduces(exe_d.as_text()),
+        "median_s": float(np.median(_time_step(exe_d, params, batch, args.sweep_repeats))),
+    }
     # 2. online tuning inside a training loop.
     space = SearchSpace(resources=(IntGrid("bucket_bytes", BUCKET_SPACE_GRID, default=0),))
     events = []
@@ -211,6 +219,16 @@ def _main(argv: list[str] | None = None) -> None:
                 }
             )
         report["sweep"] = sweep
+        # the tuned step and the default step again, interleaved (same machine load)
+        exe_t = get(res.config["bucket_bytes"])[0]
+        pairs = [
+            (_time_step(exe_t, params, batch, 1)[0], _time_step(exe_d, params, batch, 1)[0])
+            for _ in range(2 * args.sweep_repeats)
+        ]
+        report["interleaved"] = {
+            "tuned_median_s": float(np.median([p[0] for p in pairs])),
+            "xla_default_median_s": float(np.median([p[1] for p in pairs])),
+        }
 
     # 4. same results between bucket sizes (3 steps from the same start).
     def run3(exe):

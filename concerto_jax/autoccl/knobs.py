@@ -24,7 +24,10 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
+    "COMMAND_BUFFER_FLAG",
     "CPU_COMBINER_PASS",
+    "XLA_DEFAULT_COMMAND_BUFFER",
+    "command_buffer_options",
     "cpu_compiler_options",
     "gpu_combine_threshold_options",
     "nccl_env",
@@ -38,6 +41,58 @@ _GPU_THRESHOLD = {
     "reduce-scatter": "xla_gpu_reduce_scatter_combine_threshold_bytes",
 }
 NCCL_STEPS = 8  # NCCL splits its per-peer buffer into this many steps (chunks)
+COMMAND_BUFFER_FLAG = "xla_gpu_enable_command_buffer"
+# XLA:GPU's default command-buffer types (xla/debug_options_flags.cc of the XLA in jaxlib 0.10.x;
+# COLLECTIVES is not among them, so by default collectives already run outside CUDA graphs).
+XLA_DEFAULT_COMMAND_BUFFER = (
+    "FUSION",
+    "CUBLAS",
+    "CUBLASLT",
+    "CUSTOM_CALL",
+    "CUDNN",
+    "DYNAMIC_SLICE_FUSION",
+)
+# types that can capture an NCCL call (a captured call keeps the config chosen at capture)
+_COLLECTIVE_COMMANDS = ("COLLECTIVES", "DYNAMIC_SLICE_COPY_FUSION")
+
+
+def command_buffer_options(
+    user_options: Mapping[str, Any] | None = None, tuning: bool = True
+) -> dict[str, Any]:
+    """Compiler options that keep collectives out of XLA's command buffers while tuning.
+
+    NCCL asks the tuner plugin once per collective *launch*; a collective
+    captured in a CUDA graph (XLA command buffer) replays the configuration
+    chosen at capture, so a live table would not reach it. While tuning, the
+    command-buffer types are the user's (or XLA's default) minus
+    ``COLLECTIVES``; once frozen, the user's options are returned unchanged
+    (their setting restored; the step is compiled once more, see README).
+
+    Args:
+      user_options: the compiler options the user compiles the step with.
+      tuning: True while tuning, False once frozen.
+
+    Returns:
+      The compiler options for this phase (a new dict).
+
+    Raises:
+      ValueError: the user's value is not a comma-separated list of type names.
+    """
+    opts = dict(user_options or {})
+    if not tuning:
+        return opts
+    value = opts.get(COMMAND_BUFFER_FLAG)
+    if value is None:
+        types = list(XLA_DEFAULT_COMMAND_BUFFER)
+    elif isinstance(value, str):
+        types = [t.strip().upper() for t in value.split(",") if t.strip()]
+    else:
+        raise ValueError(
+            f"{COMMAND_BUFFER_FLAG} must be a comma-separated string of command types, "
+            f"got {value!r}; e.g. 'FUSION,CUBLAS'."
+        )
+    opts[COMMAND_BUFFER_FLAG] = ",".join(t for t in types if t not in _COLLECTIVE_COMMANDS)
+    return opts
 
 
 def gpu_combine_threshold_options(thresholds: Mapping[str, int]) -> dict[str, int]:

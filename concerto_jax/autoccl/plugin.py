@@ -1,18 +1,32 @@
-"""NCCL tuner plugin: build the C library, write its rule table from tuned configs.
+"""NCCL tuner plugin: build the C library, write its live rule table from tuned configs.
 
 NCCL (>= 2.22) loads the library named by ``NCCL_TUNER_PLUGIN`` and, for
 every collective, lets its ``getCollInfo`` edit the (algorithm x protocol)
 cost table and the channel count. Our plugin (``nccl_tuner/concerto_tuner.c``,
-written against our own declaration of the v3 API in
-``nccl_tuner/concerto_tuner_api.h``) answers from a text table whose path is
-in ``CONCERTO_NCCL_TUNER_TABLE``: one rule per line,
-``<collective> <min_bytes> <max_bytes> <algorithm> <protocol> <channels>``;
-the first matching rule sets its cell to 0.0 (NCCL picks the cheapest cell)
-and ``nChannels``. A bad or missing table logs a warning through NCCL's
-logger and leaves NCCL's defaults.
+written against our own declaration of the v3/v4 API in
+``nccl_tuner/concerto_tuner_api.h``; both symbols are exported) answers from a
+text table whose path is in ``CONCERTO_NCCL_TUNER_TABLE``::
+
+    concerto-tuner-table 2
+    <collective> <min_bytes> <max_bytes> <nranks|*> <k/p|*> <algorithm|*> <protocol|*> <channels>
+    ...
+    end <number of rules>
+
+The first matching rule sets its cell to 0.0 (NCCL picks the cheapest cell)
+and ``nChannels``. Keys: collective type x byte range (a size class) x
+communicator size x occurrence (the k-th call mod p of that size class, for
+same-size collectives of one step).
+
+The table is *live*: the plugin stats the file on every ``getCollInfo`` (or
+every ``CONCERTO_NCCL_TUNER_POLL_US`` microseconds) and, when it changed,
+parses and validates the whole file before swapping one pointer, so a
+collective always sees one whole table. ``write_table`` writes a temporary
+file and renames it over the path, so the next step's collectives use the new
+rules without restarting NCCL. A bad or missing table logs a warning through
+NCCL's logger and keeps the last good table (or NCCL's defaults if none).
 
 This is how per-collective tuned choices reach NCCL, where the environment
-(``knobs.nccl_env``) can only set one value for the whole process.
+(``knobs.nccl_env``) can only set one value for the whole process, once.
 
 References:
   AutoCCL NSDI'25 §5 (implementation inside NCCL's per-collective decision).
@@ -20,6 +34,7 @@ References:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -33,6 +48,7 @@ from typing import Any
 __all__ = [
     "LIBRARY_NAME",
     "SOURCE_DIR",
+    "POLL_ENV",
     "TABLE_ENV",
     "PluginBuildError",
     "TableRow",
@@ -40,7 +56,10 @@ __all__ = [
     "build_harness",
     "ensure_built",
     "plugin_env",
+    "render_table",
     "rows_from_configs",
+    "size_class",
+    "size_class_range",
     "write_table",
 ]
 
@@ -51,6 +70,8 @@ LIBRARY_NAME = (
     "libnccl-tuner-concerto.so"  # NCCL_TUNER_PLUGIN=concerto also finds it on LD_LIBRARY_PATH
 )
 TABLE_ENV = "CONCERTO_NCCL_TUNER_TABLE"
+POLL_ENV = "CONCERTO_NCCL_TUNER_POLL_US"  # min microseconds between two checks of the file
+TABLE_HEADER = "concerto-tuner-table 2"
 _SOURCES = ("concerto_tuner.c",)
 _HEADERS = ("concerto_tuner_api.h",)
 _COLLECTIVES = {
@@ -61,7 +82,7 @@ _COLLECTIVES = {
     "reduce": "reduce",
     "*": "*",
 }
-_ALGOS = {"ring": "ring", "tree": "tree"}
+_ALGOS = {a: a for a in ("ring", "tree", "collnet_direct", "collnet_chain", "nvls", "nvls_tree", "pat")}
 _PROTOS = {"ll": "ll", "ll128": "ll128", "simple": "simple"}
 MAX_BYTES = 2**64 - 1
 
@@ -85,11 +106,15 @@ def _run(cmd: list[str]) -> None:
         raise PluginBuildError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr}")
 
 
-def build(out_dir: str | os.PathLike[str]) -> str:
+_SANITIZE = ("-fsanitize=address,undefined", "-g", "-fno-omit-frame-pointer")
+
+
+def build(out_dir: str | os.PathLike[str], sanitize: bool = False) -> str:
     """Compiles the plugin with the system compiler (``cc -shared -fPIC``).
 
     Args:
       out_dir: directory for the library (created if needed).
+      sanitize: build with AddressSanitizer + UBSan (tests; pair with ``build_harness(sanitize=True)``).
 
     Returns:
       Path of ``libnccl-tuner-concerto.so``.
@@ -100,19 +125,22 @@ def build(out_dir: str | os.PathLike[str]) -> str:
     os.makedirs(out_dir, exist_ok=True)
     out = os.path.join(os.fspath(out_dir), LIBRARY_NAME)
     srcs = [os.path.join(SOURCE_DIR, s) for s in _SOURCES]
-    _run([_compiler(), "-shared", "-fPIC", "-O2", "-Wall", "-I", SOURCE_DIR, "-o", out, *srcs])
+    flags = _SANITIZE if sanitize else ()
+    _run([_compiler(), "-shared", "-fPIC", "-O2", "-Wall", "-pthread", *flags, "-I", SOURCE_DIR, "-o", out, *srcs])
     logger.info("autoccl: built NCCL tuner plugin %s", out)
     return out
 
 
-def build_harness(out_dir: str | os.PathLike[str]) -> str:
-    """Compiles the small dlopen harness (``nccl_tuner/harness.c``) used by tests; returns its path."""
+def build_harness(out_dir: str | os.PathLike[str], sanitize: bool = False) -> str:
+    """Compiles the dlopen harness (``nccl_tuner/harness.c``) used by tests; returns its path."""
     os.makedirs(out_dir, exist_ok=True)
-    out = os.path.join(os.fspath(out_dir), "concerto_tuner_harness")
+    out = os.path.join(os.fspath(out_dir), "concerto_tuner_harness" + ("_asan" if sanitize else ""))
     _run(
         [
             _compiler(),
             "-O2",
+            "-pthread",
+            *(_SANITIZE if sanitize else ()),
             "-I",
             SOURCE_DIR,
             "-o",
@@ -170,41 +198,93 @@ def ensure_built(cache_dir: str | os.PathLike[str] | None = None) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class TableRow:
-    """One rule of the plugin's table."""
+    """One rule of the plugin's table (first matching rule wins)."""
 
     collective: str  # "all-reduce", "all-gather", "reduce-scatter", "broadcast", "reduce" or "*"
-    min_bytes: int  # inclusive lower bound of the message size
+    min_bytes: int  # inclusive lower bound of the message size NCCL reports (nBytes)
     max_bytes: int  # inclusive upper bound
-    algorithm: str  # "Ring" or "Tree"
-    protocol: str  # "LL", "LL128" or "Simple"
+    algorithm: str | None  # "Ring", "Tree", ... or None to keep NCCL's (then protocol is None too)
+    protocol: str | None  # "LL", "LL128", "Simple" or None to keep NCCL's
     channels: int = 0  # > 0 sets nChannels; 0 keeps NCCL's choice
+    nranks: int | None = None  # communicator size the rule is for; None = any
+    occurrence: tuple[int, int] | None = None  # (k, p): only the k-th call mod p of this size class
 
     def render(self) -> str:
         """The table line; raises ValueError on an unknown name or bad range."""
         try:
             coll = _COLLECTIVES[self.collective]
-            algo, proto = _ALGOS[self.algorithm.lower()], _PROTOS[self.protocol.lower()]
+            algo = "*" if self.algorithm is None else _ALGOS[self.algorithm.lower()]
+            proto = "*" if self.protocol is None else _PROTOS[self.protocol.lower()]
         except KeyError as e:
             raise ValueError(
-                f"TableRow {self}: unknown {e}; collectives {sorted(_COLLECTIVES)}, algorithms Ring/Tree, "
-                "protocols LL/LL128/Simple."
+                f"TableRow {self}: unknown {e}; collectives {sorted(_COLLECTIVES)}, algorithms "
+                f"{sorted(_ALGOS)}, protocols LL/LL128/Simple (or None for NCCL's choice)."
             ) from None
+        if (algo == "*") != (proto == "*"):
+            raise ValueError(
+                f"TableRow {self}: set algorithm and protocol together or neither (NCCL's tuner API)."
+            )
         if not 0 <= self.min_bytes <= self.max_bytes <= MAX_BYTES or self.channels < 0:
             raise ValueError(
                 f"TableRow {self}: need 0 <= min_bytes <= max_bytes < 2**64 and channels >= 0."
             )
-        return f"{coll} {self.min_bytes} {self.max_bytes} {algo} {proto} {self.channels}"
+        if self.nranks is not None and self.nranks < 1:
+            raise ValueError(f"TableRow {self}: nranks must be >= 1 or None.")
+        occ = "*"
+        if self.occurrence is not None:
+            k, p = self.occurrence
+            if not 0 <= k < p:
+                raise ValueError(f"TableRow {self}: occurrence (k, p) needs 0 <= k < p.")
+            occ = f"{k}/{p}"
+        nranks = "*" if self.nranks is None else str(self.nranks)
+        return (
+            f"{coll} {self.min_bytes} {self.max_bytes} {nranks} {occ} {algo} {proto} {self.channels}"
+        )
+
+
+def render_table(rows: Iterable[TableRow]) -> str:
+    """The whole table text: header, one line per rule, ``end <count>``."""
+    body = [r.render() for r in rows]
+    lines = [
+        TABLE_HEADER,
+        "# collective min_bytes max_bytes nranks occurrence algorithm protocol channels",
+        *body,
+        f"end {len(body)}",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def write_table(rows: Iterable[TableRow], path: str | os.PathLike[str]) -> str:
-    """Writes the rules (first match wins, so order matters) and returns the path."""
-    lines = [
-        "# concerto_jax NCCL tuner table: collective min_bytes max_bytes algorithm protocol channels"
-    ]
-    lines += [r.render() for r in rows]
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    return os.fspath(path)
+    """Writes the rules atomically (temporary file + ``os.replace``) and returns the path.
+
+    A plugin that is running picks the new table up at its next ``getCollInfo``;
+    it never sees a half-written file (and would reject one: the ``end`` line).
+    """
+    text = render_table(rows)
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".concerto-table-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def size_class(nbytes: int) -> int:
+    """``floor(log2(nbytes))`` (0 for 0 and 1): the plugin's size class, for occurrence counting."""
+    return max(int(nbytes), 1).bit_length() - 1
+
+
+def size_class_range(nbytes: int) -> tuple[int, int]:
+    """Byte range ``[2**c, 2**(c+1) - 1]`` of the size class of ``nbytes`` (from 0 for class 0)."""
+    c = size_class(nbytes)
+    return (0 if c == 0 else 1 << c), (1 << (c + 1)) - 1
 
 
 def rows_from_configs(tuned: Mapping[tuple[str, int], Mapping[str, Any]]) -> list[TableRow]:
@@ -229,7 +309,12 @@ def rows_from_configs(tuned: Mapping[tuple[str, int], Mapping[str, Any]]) -> lis
             hi = MAX_BYTES if i + 1 == len(items) else int((nbytes * items[i + 1][0]) ** 0.5)
             rows.append(
                 TableRow(
-                    coll, lo, hi, cfg["algorithm"], cfg["protocol"], int(cfg.get("nchannels", 0))
+                    coll,
+                    lo,
+                    hi,
+                    cfg.get("algorithm"),
+                    cfg.get("protocol"),
+                    int(cfg.get("nchannels", 0)),
                 )
             )
             lo = hi + 1

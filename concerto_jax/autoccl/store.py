@@ -89,13 +89,27 @@ class TuningStore:
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             **fields,
         }
+        self._write(data)
+        logger.info("autoccl: stored %s -> %s in %s", signature.key, dict(config), self.path)
+
+    def put_record(self, signature: Signature, record: dict[str, Any]) -> None:
+        """Stores a free-form JSON record (e.g. a whole NCCL plan) under ``signature``."""
+        data = self._load()
+        data[signature.key] = {"record": record, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        self._write(data)
+
+    def get_record(self, signature: Signature) -> dict[str, Any] | None:
+        """The record stored by ``put_record`` for ``signature``, else None."""
+        rec = self._load().get(signature.key)
+        return rec.get("record") if isinstance(rec, dict) and isinstance(rec.get("record"), dict) else None
+
+    def _write(self, data: dict[str, Any]) -> None:
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".autoccl-", suffix=".json")
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1, sort_keys=True, default=_json_default)
         os.replace(tmp, self.path)
-        logger.info("autoccl: stored %s -> %s in %s", signature.key, dict(config), self.path)
 
     def keys(self) -> list[str]:
         """Signature keys present in the file."""

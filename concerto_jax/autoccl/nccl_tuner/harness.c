@@ -1,21 +1,40 @@
-/* Test harness: dlopen a v3 tuner plugin, query it, print the chosen cell.
- * usage: harness <plugin.so> <collective> <nBytes> [<collective> <nBytes> ...]
- * Prints one line per query: "<coll> <bytes> algo=<a> proto=<p> channels=<n>"
- * (algo/proto "default" when no cell was set to 0.0; channels -1 when unchanged).
+/* Test harness for the tuner plugin, no GPU needed: dlopen it and call it as NCCL would.
+ *
+ * Query mode:  harness <plugin.so> [v3|v4] <nranks> (<collective> <nBytes>)...
+ *   One line per query: "<coll> <bytes> rc=<rc> algo=<a> proto=<p> channels=<n>"
+ *   (algo/proto "default" when no cell was set to 0.0; channels -1 when unchanged).
+ *   The argument "sleep:<ms>" between queries pauses (lets a test rewrite the table).
+ *
+ * Stress mode: harness <plugin.so> stress <table> <seconds> <readers>
+ *   A writer thread keeps replacing the table: valid tables g = 1, 2, ... (written to a temporary
+ *   file and renamed over the path) alternating with invalid ones (bad line, missing end line,
+ *   garbage, half-written in place, deleted). Every valid table g answers every query with
+ *   channels = g, algorithm = g % 2, protocol = g % 3; invalid tables use channels 999 or
+ *   other algorithm/protocol pairs. <readers> threads call getCollInfo continuously (one context
+ *   each, as NCCL has one per communicator, plus one context shared by all readers) and check
+ *   each answer came from one valid table (or NCCL's defaults before the first load).
+ *   Prints "calls=<n> bad=<n> tables_seen=<n> writes=<n> invalid_writes=<n>"; exit 0 iff bad == 0.
  */
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "concerto_tuner_api.h"
 
 #define NUM_ALGO 7
 #define NUM_PROTO 3
+#define MAX_G 1000000
+
+static int quiet = 0;
 
 static void logger(ncclDebugLogLevel level, unsigned long flags, const char* file, int line, const char* fmt, ...) {
   (void)flags; (void)file; (void)line;
+  if (quiet) return;
   va_list ap;
   va_start(ap, fmt);
   fprintf(stderr, "[log %d] ", (int)level);
@@ -32,32 +51,190 @@ static int coll_of(const char* s) {
   return ncclFuncReduce;
 }
 
+static ncclTuner_v4_t* v4;
+static ncclTuner_v3_t* v3;
+
+static ncclResult_t call(void* ctx, int coll, size_t bytes, float table[NUM_ALGO][NUM_PROTO], int* channels) {
+  for (int a = 0; a < NUM_ALGO; a++)
+    for (int p = 0; p < NUM_PROTO; p++) table[a][p] = (a <= 1) ? 1.0f + a + 0.1f * p : -1.0f;
+  *channels = -1;
+  if (v4) return v4->getCollInfo(ctx, (ncclFunc_t)coll, bytes, 1, (float**)table, NUM_ALGO, NUM_PROTO, 0, channels);
+  return v3->getCollInfo(ctx, (ncclFunc_t)coll, bytes, 1, (float**)table, NUM_ALGO, NUM_PROTO, channels);
+}
+
+static void chosen(float table[NUM_ALGO][NUM_PROTO], int* algo, int* proto) {
+  *algo = *proto = -1;
+  for (int a = 0; a < NUM_ALGO; a++)
+    for (int p = 0; p < NUM_PROTO; p++)
+      if (table[a][p] == 0.0f) { *algo = a; *proto = p; }
+}
+
+/* ------------------------------------------------------------------ stress */
+static const char* g_path;
+static volatile int g_stop = 0;
+static long g_writes = 0, g_invalid = 0;
+static void* g_shared_ctx;
+
+static void write_file(const char* path, const char* text, int atomic) {
+  char tmp[4096];
+  snprintf(tmp, sizeof tmp, "%s.tmp", path);
+  FILE* f = fopen(atomic ? tmp : path, "w");
+  if (!f) return;
+  fputs(text, f);
+  fclose(f);
+  if (atomic) rename(tmp, path);
+}
+
+static char* valid_table(int g) {
+  static const char* colls[] = {"allreduce", "allgather", "reducescatter"};
+  static const char* algos[] = {"tree", "ring"};
+  static const char* protos[] = {"ll", "ll128", "simple"};
+  size_t cap = 1 << 16, len = 0;
+  char* s = malloc(cap);
+  len += snprintf(s + len, cap - len, "concerto-tuner-table 2\n# generation %d\n", g);
+  int n = 0;
+  for (int c = 0; c < 3; c++)
+    for (int k = 0; k < 40; k++) { /* 40 size classes per collective: a long table, slow to parse */
+      unsigned long long lo = k == 0 ? 0 : (1ULL << k), hi = (1ULL << (k + 1)) - 1;
+      len += snprintf(s + len, cap - len, "%s %llu %llu * * %s %s %d\n", colls[c], lo, hi, algos[g % 2],
+                      protos[g % 3], g);
+      n++;
+    }
+  snprintf(s + len, cap - len, "end %d\n", n);
+  return s;
+}
+
+static void* writer(void* arg) {
+  (void)arg;
+  int g = 0;
+  while (!g_stop) {
+    g++;
+    char* s = valid_table(g);
+    write_file(g_path, s, 1);
+    g_writes++;
+    usleep(200);
+    switch (g % 5) { /* then an invalid version */
+      case 0: write_file(g_path, "concerto-tuner-table 2\nallreduce 0 99999999999 * * ring ll 999\nbogus\nend 2\n", 1); break;
+      case 1: write_file(g_path, "concerto-tuner-table 2\nallreduce 0 99999999999 * * tree simple 999\n", 1); break;
+      case 2: write_file(g_path, "\x01\x02 garbage \xff\n", 1); break;
+      case 3: { /* half of a valid-looking table written in place: no end line */
+        char* bad = valid_table(999);
+        bad[strlen(bad) / 2] = '\0';
+        write_file(g_path, bad, 0);
+        free(bad);
+        break;
+      }
+      default: unlink(g_path); break;
+    }
+    g_invalid++;
+    g_writes++;
+    usleep(200);
+    free(s);
+  }
+  return NULL;
+}
+
+typedef struct { long calls, bad, seen_mask_count; char* seen; } reader_stats_t;
+
+static void* reader(void* arg) {
+  reader_stats_t* st = (reader_stats_t*)arg;
+  void* own = NULL;
+  v4 ? v4->init(8, 1, logger, &own) : v3->init(8, 1, logger, &own);
+  static const int colls[] = {ncclFuncAllReduce, ncclFuncAllGather, ncclFuncReduceScatter};
+  unsigned seed = (unsigned)(size_t)arg;
+  while (!g_stop) {
+    void* ctx = (st->calls & 1) ? own : g_shared_ctx;
+    float table[NUM_ALGO][NUM_PROTO];
+    int channels, algo, proto;
+    int k = rand_r(&seed) % 40;
+    size_t bytes = (k == 0) ? 1 : ((size_t)1 << k) + (size_t)(rand_r(&seed) % (1 << k));
+    ncclResult_t rc = call(ctx, colls[rand_r(&seed) % 3], bytes, table, &channels);
+    chosen(table, &algo, &proto);
+    st->calls++;
+    int ok;
+    if (channels == -1) ok = (rc == ncclSuccess && algo == -1); /* defaults: before the first good load */
+    else ok = rc == ncclSuccess && channels >= 1 && channels < MAX_G && channels != 999 && algo == channels % 2 &&
+              proto == channels % 3;
+    if (!ok) {
+      if (st->bad < 5) fprintf(stderr, "BAD answer: rc=%d channels=%d algo=%d proto=%d\n", (int)rc, channels, algo, proto);
+      st->bad++;
+    } else if (channels > 0 && channels < MAX_G && !st->seen[channels]) {
+      st->seen[channels] = 1;
+    }
+  }
+  v4 ? v4->destroy(own) : v3->destroy(own);
+  return NULL;
+}
+
+static int stress(const char* table, double seconds, int n_readers) {
+  g_path = table;
+  quiet = 1;
+  unlink(table);
+  setenv(CONCERTO_TUNER_TABLE_ENV, table, 1);
+  (v4 ? v4->init(8, 1, logger, &g_shared_ctx) : v3->init(8, 1, logger, &g_shared_ctx));
+  pthread_t w, r[64];
+  reader_stats_t st[64];
+  if (n_readers > 64) n_readers = 64;
+  for (int i = 0; i < n_readers; i++) {
+    memset(&st[i], 0, sizeof st[i]);
+    st[i].seen = calloc(MAX_G, 1);
+    pthread_create(&r[i], NULL, reader, &st[i]);
+  }
+  pthread_create(&w, NULL, writer, NULL);
+  usleep((useconds_t)(seconds * 1e6));
+  g_stop = 1;
+  pthread_join(w, NULL);
+  long calls = 0, bad = 0, seen = 0;
+  char* any = calloc(MAX_G, 1);
+  for (int i = 0; i < n_readers; i++) {
+    pthread_join(r[i], NULL);
+    calls += st[i].calls;
+    bad += st[i].bad;
+    for (int g = 0; g < MAX_G; g++) any[g] |= st[i].seen[g];
+    free(st[i].seen);
+  }
+  for (int g = 0; g < MAX_G; g++) seen += any[g];
+  free(any);
+  (v4 ? v4->destroy(g_shared_ctx) : v3->destroy(g_shared_ctx));
+  printf("calls=%ld bad=%ld tables_seen=%ld writes=%ld invalid_writes=%ld\n", calls, bad, seen, g_writes, g_invalid);
+  return bad == 0 ? 0 : 1;
+}
+
+/* ------------------------------------------------------------------- main */
 int main(int argc, char** argv) {
   static const char* algos[] = {"tree", "ring", "collnet_direct", "collnet_chain", "nvls", "nvls_tree", "pat"};
   static const char* protos[] = {"ll", "ll128", "simple"};
-  if (argc < 2) { fprintf(stderr, "usage: %s plugin.so [coll bytes]...\n", argv[0]); return 2; }
+  if (argc < 3) { fprintf(stderr, "usage: %s plugin.so v3|v4 nranks [coll bytes]... | stress ...\n", argv[0]); return 2; }
   void* lib = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
   if (!lib) { fprintf(stderr, "dlopen failed: %s\n", dlerror()); return 3; }
-  ncclTuner_v3_t* t = (ncclTuner_v3_t*)dlsym(lib, "ncclTunerPlugin_v3");
-  if (!t) { fprintf(stderr, "symbol ncclTunerPlugin_v3 missing\n"); return 4; }
-  void* ctx = NULL;
-  if (t->init(8, 1, logger, &ctx) != ncclSuccess) { fprintf(stderr, "init failed\n"); return 5; }
-  printf("name=%s\n", t->name);
-  for (int i = 2; i + 1 < argc; i += 2) {
-    float table[NUM_ALGO][NUM_PROTO];
-    for (int a = 0; a < NUM_ALGO; a++)
-      for (int p = 0; p < NUM_PROTO; p++) table[a][p] = (a <= 1) ? 1.0f + a + 0.1f * p : -1.0f;
-    int channels = -1;
-    size_t bytes = strtoull(argv[i + 1], NULL, 10);
-    ncclResult_t rc = t->getCollInfo(ctx, (ncclFunc_t)coll_of(argv[i]), bytes, 1, (float**)table, NUM_ALGO,
-                                     NUM_PROTO, &channels);
-    const char *algo = "default", *proto = "default";
-    for (int a = 0; a < NUM_ALGO; a++)
-      for (int p = 0; p < NUM_PROTO; p++)
-        if (table[a][p] == 0.0f) { algo = algos[a]; proto = protos[p]; }
-    printf("%s %zu rc=%d algo=%s proto=%s channels=%d\n", argv[i], bytes, (int)rc, algo, proto, channels);
+  v4 = (ncclTuner_v4_t*)dlsym(lib, "ncclTunerPlugin_v4");
+  v3 = (ncclTuner_v3_t*)dlsym(lib, "ncclTunerPlugin_v3");
+  if (!v4 || !v3) { fprintf(stderr, "symbol ncclTunerPlugin_v4 or _v3 missing\n"); return 4; }
+  if (!strcmp(argv[2], "stress")) {
+    if (argc != 6) { fprintf(stderr, "usage: %s plugin.so stress table seconds readers\n", argv[0]); return 2; }
+    return stress(argv[3], atof(argv[4]), atoi(argv[5]));
   }
-  t->destroy(ctx);
+  if (!strcmp(argv[2], "v3")) v4 = NULL;
+  size_t nranks = argc > 3 ? strtoull(argv[3], NULL, 10) : 8;
+  void* ctx = NULL;
+  ncclResult_t rc0 = v4 ? v4->init(nranks, 1, logger, &ctx) : v3->init(nranks, 1, logger, &ctx);
+  if (rc0 != ncclSuccess) { fprintf(stderr, "init failed\n"); return 5; }
+  printf("name=%s\n", v4 ? v4->name : v3->name);
+  fflush(stdout);
+  for (int i = 4; i < argc;) {
+    if (!strncmp(argv[i], "sleep:", 6)) { usleep(1000 * atoi(argv[i] + 6)); i++; continue; }
+    if (i + 1 >= argc) break;
+    float table[NUM_ALGO][NUM_PROTO];
+    int channels, a, p;
+    size_t bytes = strtoull(argv[i + 1], NULL, 10);
+    ncclResult_t rc = call(ctx, coll_of(argv[i]), bytes, table, &channels);
+    chosen(table, &a, &p);
+    printf("%s %zu rc=%d algo=%s proto=%s channels=%d\n", argv[i], bytes, (int)rc, a < 0 ? "default" : algos[a],
+           p < 0 ? "default" : protos[p], channels);
+    fflush(stdout);
+    i += 2;
+  }
+  v4 ? v4->destroy(ctx) : v3->destroy(ctx);
   dlclose(lib);
   return 0;
 }
