@@ -289,10 +289,15 @@ class OptimizedStep:
         if cap.has_effects:
             return False, ("skipped: the step has side effects (host callbacks) that a second "
                            "run would fire twice")
+        if mode == "auto" and self.options.compiler_options:
+            return False, ("skipped (auto): Options.compiler_options change XLA's compile of our "
+                           "module only, so the original under JAX's defaults is no bitwise "
+                           "reference (check_first_step=True compares with the original compiled "
+                           "with the same options)")
         if mode == "auto":
             dyn_args, dyn_kwargs = self._static.dynamic(args, kwargs)
             fits, why = first_step.fits_in_memory(
-                jax.tree.leaves((dyn_args, dyn_kwargs)), cap.output_avals, cap.output_shardings)
+                jax.tree.leaves((dyn_args, dyn_kwargs)), cap.output_avals, cap.flat_output_shardings)
             if not fits:
                 return False, f"skipped (auto): {why}"
             return True, f"pending (auto: {why})"
@@ -302,7 +307,13 @@ class OptimizedStep:
         """The first call of a recompiled signature, compared with the original step."""
         name = getattr(self._fn, "__name__", "step")
         copies_args, copies_kwargs = first_step.copy_arrays((args, kwargs))
-        reference = self._fn(*copies_args, **copies_kwargs)  # may donate the copies
+        if self.options.compiler_options:  # the original compiled as ours was
+            original = self._fn.lower(*copies_args, **copies_kwargs).compile(
+                compiler_options=dict(self.options.compiler_options))
+            ref_args, ref_kwargs = self._static.dynamic(copies_args, copies_kwargs)
+            reference = original(*ref_args, **ref_kwargs)  # may donate the copies
+        else:
+            reference = self._fn(*copies_args, **copies_kwargs)  # may donate the copies
         dyn_args, dyn_kwargs = self._static.dynamic(args, kwargs)
         got = entry.runner(*dyn_args, **dyn_kwargs)
         bad = first_step.differences(reference, got, entry.tolerance)

@@ -113,6 +113,11 @@ class Capture:
         return self._unloaded.output_avals
 
     @property
+    def flat_output_shardings(self):
+        """Shardings of the outputs (flat, in executable order, like ``output_avals``)."""
+        return self._unloaded.output_shardings
+
+    @property
     def host_callbacks(self) -> tuple:
         """The Python callables that the module's host-callback custom calls index."""
         return tuple(self._unloaded.host_callbacks)

@@ -110,13 +110,18 @@ def fits_in_memory(arg_leaves: Sequence[Any], out_avals, out_shardings) -> tuple
 
 
 def copy_arrays(tree: Any) -> Any:
-    """A copy of every ``jax.Array`` leaf of ``tree`` (same shardings), other leaves as they are."""
+    """A copy of every ``jax.Array`` leaf of ``tree`` (same shardings, same committedness).
+
+    An uncommitted argument (created without a device, e.g. ``jnp.ones``) stays
+    uncommitted: committing it would make jit reject it next to sharded arguments.
+    """
     leaves, treedef = jax.tree.flatten(tree)
-    idx = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
-    copies = jax.device_put([leaves[i] for i in idx], [leaves[i].sharding for i in idx],
-                            may_alias=False)
-    for i, c in zip(idx, copies, strict=True):
-        leaves[i] = c
+    for i, x in enumerate(leaves):
+        if isinstance(x, jax.Array):
+            if getattr(x, "_committed", True):
+                leaves[i] = jax.device_put(x, x.sharding, may_alias=False)
+            else:
+                leaves[i] = jax.device_put(x, may_alias=False)
     return jax.tree.unflatten(treedef, leaves)
 
 

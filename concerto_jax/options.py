@@ -52,8 +52,10 @@ class Options:
     # available memory on CPU): a training state is often most of a device's
     # memory, and a check that ran the device out of memory would be the crash
     # it exists to prevent. Skipped for steps with side effects (debug.print,
-    # io_callback), which would fire twice. The identity pipeline runs JAX's own
-    # executable and needs no check. True: always; False: never.
+    # io_callback), which would fire twice, and under "auto" when
+    # compiler_options are set (True then compares with the original compiled
+    # with the same options). The identity pipeline runs JAX's own executable
+    # and needs no check. True: always; False: never.
     check_first_step: bool | str = "auto"
     # Recompile the post-SPMD module even when no pass changed it. By default an
     # unchanged module runs JAX's own executable of the step (identical by
