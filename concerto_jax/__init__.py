@@ -12,17 +12,17 @@ Pipeline (one stage per module)::
     OptimizedStep: called like the original step; .report() says what was done
 
 Public API: ``optimize``, ``Options``, ``OptimizedStep``, ``Report``,
-``ConcertoFallbackWarning``; for a target GPU cluster without a GPU:
+``ConcertoFallbackWarning``, ``FirstStepMismatch``; for a target GPU cluster without a GPU:
 ``target_mesh`` (a mesh of the cluster's deviceless devices) and
 ``compile_for_target`` (the pipeline's module compiled by XLA's GPU compiler
 for the target, with planned/final/stock step times; ``TargetResult``).
 """
 
-from concerto_jax.api import ConcertoFallbackWarning, OptimizedStep, optimize
+from concerto_jax.api import ConcertoFallbackWarning, FirstStepMismatch, OptimizedStep, optimize
 from concerto_jax.options import Options
 from concerto_jax.report import Report
 from concerto_jax.target.compile import target_mesh
 from concerto_jax.target.program import TargetFallbackWarning, TargetResult, compile_for_target
 
-__all__ = ["ConcertoFallbackWarning", "OptimizedStep", "Options", "Report", "TargetFallbackWarning",
-           "TargetResult", "compile_for_target", "optimize", "target_mesh"]
+__all__ = ["ConcertoFallbackWarning", "FirstStepMismatch", "OptimizedStep", "Options", "Report",
+           "TargetFallbackWarning", "TargetResult", "compile_for_target", "optimize", "target_mesh"]

@@ -26,9 +26,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from concerto_jax import capture as capture_lib
-from concerto_jax import executor, multiprocess, pipeline
+from concerto_jax import executor, first_step, multiprocess, pipeline
 from concerto_jax.options import Options
 from concerto_jax.report import Report
 
@@ -39,29 +40,51 @@ class ConcertoFallbackWarning(UserWarning):
     """The optimised module could not be built for a signature; the original step runs."""
 
 
-@dataclasses.dataclass(frozen=True)
-class _Entry:
-    """One compiled signature: our executable (None after a fallback), report, HLO texts."""
+class FirstStepMismatch(RuntimeError):
+    """The first-step check found a difference and ``Options.fallback`` is False."""
 
-    compiled: Any
-    report: Report
-    captured: str
-    emitted: str | None
+
+@dataclasses.dataclass
+class _Entry:
+    """One signature: what runs, its report, HLO texts, and the first-step check state.
+
+    ``runner`` is our compiled executable, or None: JAX's own jitted step runs
+    (identity pipeline, or a fallback). ``report`` is None until described: with
+    no pass requested the step is not captured until ``report()`` asks for it.
+    """
+
+    runner: Any
+    report: Report | None
+    captured: str | None = None
+    emitted: str | None = None
+    abstract: tuple | None = None  # (args, kwargs) as ShapeDtypeStructs, for a lazy capture
+    tolerance: float = 0.0  # largest tolerance the passes declared
+    check_pending: bool = False  # compare the next call with the original step
 
 
 def _leaf_signature(x: Any) -> tuple:
-    if isinstance(x, jax.Array):
-        return ("array", x.shape, str(x.dtype), x.weak_type, x.sharding)
+    if isinstance(x, jax.Array):  # typed PRNG key arrays included (no weak_type there)
+        return ("array", x.shape, str(x.dtype), getattr(x, "weak_type", False), x.sharding)
     if hasattr(x, "shape") and hasattr(x, "dtype"):  # numpy arrays, ShapeDtypeStructs
         return ("array", tuple(x.shape), str(x.dtype), False, getattr(x, "sharding", None))
     return ("py", type(x))
+
+
+def _abstract(x: Any) -> Any:
+    """A ShapeDtypeStruct standing for an array argument (keeps no buffer alive)."""
+    if isinstance(x, jax.Array):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
+                                    weak_type=getattr(x, "weak_type", False))
+    if isinstance(x, np.ndarray):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return x
 
 
 class OptimizedStep:
     """A jitted step with the concerto_jax pipeline in front of it.
 
     Call it like the original step. ``report()`` returns the ``Report`` of the
-    most recently built signature (``reports()`` all of them).
+    most recently used signature (``reports()`` all of them).
     """
 
     def __init__(self, fn: Callable, options: Options | None = None):
@@ -74,11 +97,16 @@ class OptimizedStep:
         self._cache: dict[tuple, _Entry] = {}
         self._last_key: tuple | None = None
         self._warned: set[str] = set()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
     # -- public -----------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        key = self._key(args, kwargs)
+        try:
+            key = self._key(args, kwargs)
+        except Exception as e:  # noqa: BLE001 - an argument we cannot key must not crash the step
+            self._warn(f"its arguments could not be keyed ({type(e).__name__}: {e})",
+                       getattr(self._fn, "__name__", "step"))
+            return self._fn(*args, **kwargs)
         entry = self._cache.get(key)
         if entry is None:
             with self._lock:
@@ -87,28 +115,37 @@ class OptimizedStep:
                     entry = self._build(args, kwargs)
                     self._cache[key] = entry
         self._last_key = key
-        compiled = entry.compiled
-        if compiled is None:
+        if entry.check_pending:
+            with self._lock:
+                if entry.check_pending:
+                    return self._checked_call(entry, args, kwargs)
+        runner = entry.runner
+        if runner is None:
             return self._fn(*args, **kwargs)
         dyn_args, dyn_kwargs = self._static.dynamic(args, kwargs)
-        return compiled(*dyn_args, **dyn_kwargs)
+        return runner(*dyn_args, **dyn_kwargs)
 
     def report(self) -> Report:
-        """The report of the signature used by the latest call."""
+        """The report of the signature used by the latest call.
+
+        With the identity pipeline (no pass requested) the step runs JAX's own
+        executable and is captured only now, on the first ``report()`` or
+        ``hlo_texts()`` of a signature (one extra lowering and compile).
+        """
         if self._last_key is None:
             raise RuntimeError("report() is available after the first call of the optimised step")
-        return self._cache[self._last_key].report
+        return self._described(self._cache[self._last_key]).report
 
     def reports(self) -> list[Report]:
         """Reports of every compiled signature, in build order."""
-        return [e.report for e in self._cache.values()]
+        return [self._described(e).report for e in list(self._cache.values())]
 
     def hlo_texts(self) -> tuple[str, str | None]:
-        """(captured post-SPMD module, emitted module or None after a fallback) of the latest call."""
+        """(captured post-SPMD module, emitted module or None) of the latest call's signature."""
         if self._last_key is None:
             raise RuntimeError("hlo_texts() is available after the first call of the optimised step")
-        entry = self._cache[self._last_key]
-        return entry.captured, entry.emitted
+        entry = self._described(self._cache[self._last_key])
+        return entry.captured or "", entry.emitted
 
     def lower(self, *args, **kwargs):
         """The original step's ``lower`` (for inspection)."""
@@ -121,31 +158,35 @@ class OptimizedStep:
         return (treedef, tuple(_leaf_signature(x) for x in leaves),
                 self._static.static_values(args, kwargs))
 
-    def _fallback(self, reason: str, name: str, n_dev: int, captured: str,
-                  stats: dict | None = None) -> _Entry:
+    def _warn(self, reason: str, name: str) -> None:
         if reason not in self._warned:
             self._warned.add(reason)
             warnings.warn(
                 f"concerto_jax.optimize({name}): running the original step unchanged because "
-                f"{reason}", ConcertoFallbackWarning, stacklevel=3)
+                f"{reason}", ConcertoFallbackWarning, stacklevel=4)
         log.warning("fallback for %s: %s", name, reason)
+
+    def _fallback(self, reason: str, name: str, n_dev: int, captured: str,
+                  stats: dict | None = None) -> _Entry:
+        self._warn(reason, name)
         stats = stats or {}
         report = Report(function=name, num_devices=n_dev, optimized=False,
                         fallback_reason=reason,
                         instructions=stats.get("instructions", 0),
                         collectives=stats.get("collectives", {}),
-                        stage_seconds=stats.get("stage_seconds", {}))
+                        passes=stats.get("passes", ()),
+                        stage_seconds=stats.get("stage_seconds", {}),
+                        executable="original", first_step_check="not run (fell back)")
         return _Entry(None, report, captured, None)
 
-    def _build(self, args: tuple, kwargs: dict):
-        name = getattr(self._fn, "__name__", "step")
+    def _run_pipeline(self, args: tuple, kwargs: dict):
+        """Capture + (leader-decided) pipeline: (capture or None, result or None, failure, timings)."""
         # JAX rejecting the arguments is the user's error: it propagates from capture().
         try:
             cap = capture_lib.capture(self._fn, args, kwargs)
         except capture_lib.CaptureError as e:
             cap, capture_error = None, e
         text = cap.hlo_text if cap is not None else ""
-        n_dev = cap.num_partitions if cap is not None else len(jax.devices())
         timings = {"capture": cap.seconds} if cap is not None else {}
 
         def plan() -> dict:
@@ -153,33 +194,146 @@ class OptimizedStep:
                 raise capture_error
             return pipeline.run(text, self.options).to_json()
 
-        compiled, failure = None, None
         try:
             # Process 0 decides; every process gets the same plan (or all fall back).
             result = pipeline.PipelineResult.from_json(multiprocess.leader_decides(text, plan))
-            timings.update(result.stage_seconds)
-            if self.options.dump_dir:
-                _dump(self.options.dump_dir, name, text, result.text)
-            t0 = time.perf_counter()
-            loaded, _ = executor.compile_replicated(
-                result.text, cap.device_list, compiler_options=self.options.compiler_options)
-            compiled = executor.swap_executable(cap.compiled, loaded)
-            timings["compile"] = time.perf_counter() - t0
         except Exception as e:  # noqa: BLE001 - any internal failure must fall back
-            failure = e
+            return cap, None, e, timings
+        timings.update(result.stage_seconds)
+        return cap, result, None, timings
+
+    def _described(self, entry: _Entry) -> _Entry:
+        """Fill in the report of an identity signature (capture on abstract arguments)."""
+        if entry.report is not None:
+            return entry
+        with self._lock:
+            if entry.report is not None:
+                return entry
+            name = getattr(self._fn, "__name__", "step")
+            args, kwargs = entry.abstract
+            cap, result, failure, timings = self._run_pipeline(args, kwargs)
+            n_dev = cap.num_partitions if cap is not None else len(jax.devices())
+            text = cap.hlo_text if cap is not None else ""
+            if failure is not None:
+                fb = self._fallback(f"the program could not be described ({type(failure).__name__}: "
+                                    f"{failure})", name, n_dev, text, {"stage_seconds": timings})
+                entry.report, entry.captured = fb.report, fb.captured
+            else:
+                entry.report = Report(
+                    function=name, num_devices=n_dev, optimized=True,
+                    instructions=result.instructions, collectives=result.collectives,
+                    passes=result.passes, stage_seconds=timings, executable="original",
+                    first_step_check="not needed (JAX's own executable runs)")
+                entry.captured, entry.emitted = text, result.text
+            entry.abstract = None
+            return entry
+
+    def _build(self, args: tuple, kwargs: dict) -> _Entry:
+        name = getattr(self._fn, "__name__", "step")
+        if not self.options.passes and not self.options.always_recompile:
+            # Identity by construction: JAX's own executable, nothing captured until report().
+            return _Entry(None, None, abstract=jax.tree.map(_abstract, (args, kwargs)))
+        cap, result, failure, timings = self._run_pipeline(args, kwargs)
+        text = cap.hlo_text if cap is not None else ""
+        n_dev = cap.num_partitions if cap is not None else len(jax.devices())
+        changed = failure is None and (self.options.always_recompile
+                                       or any(p.changed for p in result.passes))
+        compiled = None
+        if changed:
+            try:
+                if self.options.dump_dir:
+                    _dump(self.options.dump_dir, name, text, result.text)
+                t0 = time.perf_counter()
+                callbacks = cap.host_callbacks
+                loaded, _ = executor.compile_replicated(
+                    result.text, cap.device_list, compiler_options=self.options.compiler_options,
+                    host_callbacks=callbacks)
+                compiled = executor.swap_executable(cap.compiled, loaded)
+                timings["compile"] = time.perf_counter() - t0
+            except Exception as e:  # noqa: BLE001 - any internal failure must fall back
+                failure = e
         # Every process must run the same program: use ours only if all processes built it.
         if not multiprocess.all_succeeded(failure is None) and failure is None:
             failure = multiprocess.LeaderPlanError("another process failed to build the plan")
         if failure is not None:
             if not self.options.fallback:
                 raise failure
-            return self._fallback(f"{type(failure).__name__}: {failure}", name, n_dev, text,
-                                  {"stage_seconds": timings})
+            stats = {"stage_seconds": timings}
+            if result is not None:
+                stats.update(instructions=result.instructions, collectives=result.collectives,
+                             passes=result.passes)
+            return self._fallback(f"{type(failure).__name__}: {failure}", name, n_dev, text, stats)
         report = Report(function=name, num_devices=n_dev, optimized=True,
                         instructions=result.instructions, collectives=result.collectives,
-                        passes=result.passes, stage_seconds=timings)
+                        passes=result.passes, stage_seconds=timings,
+                        executable="recompiled" if changed else "original")
+        if not changed:
+            # Every pass left the module as it was: JAX's own executable is the identity.
+            report = dataclasses.replace(
+                report, first_step_check="not needed (no pass changed the module: JAX's own "
+                                         "executable runs)")
+            log.info("%s", report)
+            return _Entry(None, report, text, result.text)
+        tolerance = max((p.tolerance for p in result.passes), default=0.0)
+        check, why = self._check_decision(cap, args, kwargs)
+        report = dataclasses.replace(report, first_step_check=why)
         log.info("%s", report)
-        return _Entry(compiled, report, text, result.text)
+        return _Entry(compiled, report, text, result.text, tolerance=tolerance,
+                      check_pending=check)
+
+    def _check_decision(self, cap, args: tuple, kwargs: dict) -> tuple[bool, str]:
+        """Whether to compare the first call with the original step, and the report's words."""
+        mode = self.options.check_first_step
+        if mode is False:
+            return False, "off (Options.check_first_step=False)"
+        if cap.has_effects:
+            return False, ("skipped: the step has side effects (host callbacks) that a second "
+                           "run would fire twice")
+        if mode == "auto" and self.options.compiler_options:
+            return False, ("skipped (auto): Options.compiler_options change XLA's compile of our "
+                           "module only, so the original under JAX's defaults is no bitwise "
+                           "reference (check_first_step=True compares with the original compiled "
+                           "with the same options)")
+        if mode == "auto":
+            dyn_args, dyn_kwargs = self._static.dynamic(args, kwargs)
+            fits, why = first_step.fits_in_memory(
+                jax.tree.leaves((dyn_args, dyn_kwargs)), cap.output_avals, cap.flat_output_shardings)
+            if not fits:
+                return False, f"skipped (auto): {why}"
+            return True, f"pending (auto: {why})"
+        return True, "pending"
+
+    def _checked_call(self, entry: _Entry, args: tuple, kwargs: dict):
+        """The first call of a recompiled signature, compared with the original step."""
+        name = getattr(self._fn, "__name__", "step")
+        copies_args, copies_kwargs = first_step.copy_arrays((args, kwargs))
+        if self.options.compiler_options:  # the original compiled as ours was
+            original = self._fn.lower(*copies_args, **copies_kwargs).compile(
+                compiler_options=dict(self.options.compiler_options))
+            ref_args, ref_kwargs = self._static.dynamic(copies_args, copies_kwargs)
+            reference = original(*ref_args, **ref_kwargs)  # may donate the copies
+        else:
+            reference = self._fn(*copies_args, **copies_kwargs)  # may donate the copies
+        dyn_args, dyn_kwargs = self._static.dynamic(args, kwargs)
+        got = entry.runner(*dyn_args, **dyn_kwargs)
+        bad = first_step.differences(reference, got, entry.tolerance)
+        same = multiprocess.all_succeeded(not bad)
+        entry.check_pending = False
+        how = "bitwise" if entry.tolerance == 0 else f"within relative tolerance {entry.tolerance:g}"
+        if same:
+            entry.report = dataclasses.replace(
+                entry.report, first_step_check=f"ran: outputs equal the original's ({how})")
+            return got
+        found = "; ".join(bad) if bad else "another process found a difference"
+        reason = f"the first optimised step differs from the original ({how}): {found}"
+        if not self.options.fallback:
+            raise FirstStepMismatch(reason)
+        self._warn(reason, name)
+        entry.runner = None
+        entry.report = dataclasses.replace(
+            entry.report, optimized=False, fallback_reason=reason, executable="original",
+            first_step_check=f"ran: DIFFERED ({found}); fell back")
+        return reference
 
 
 def _dump(directory: str, name: str, captured: str, emitted: str) -> None:

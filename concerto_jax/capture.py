@@ -103,6 +103,30 @@ class Capture:
     def output_shardings(self):
         return self.compiled.output_shardings
 
+    @property
+    def _unloaded(self):
+        return self.compiled._executable._unloaded_executable
+
+    @property
+    def output_avals(self):
+        """Global avals of the outputs (flat, in executable order)."""
+        return self._unloaded.output_avals
+
+    @property
+    def flat_output_shardings(self):
+        """Shardings of the outputs (flat, in executable order, like ``output_avals``)."""
+        return self._unloaded.output_shardings
+
+    @property
+    def host_callbacks(self) -> tuple:
+        """The Python callables that the module's host-callback custom calls index."""
+        return tuple(self._unloaded.host_callbacks)
+
+    @property
+    def has_effects(self) -> bool:
+        """Whether the step has side effects (debug.print, io_callback: ordered or not)."""
+        return bool(self._unloaded.ordered_effects or self._unloaded.unordered_effects)
+
 
 def _read_single(pattern: str, directory: str) -> str | None:
     paths = sorted(glob.glob(os.path.join(directory, pattern)))

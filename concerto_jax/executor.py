@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,6 +31,7 @@ from jax._src.lib import xla_client as xc
 from jax._src.lib.mlir import ir
 
 import hlo_passes
+from concerto_jax.custom_calls import check_carryable
 from hlo_passes.rewrites import cpu_divide_by_broadcast
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,8 @@ def compensate_round_trip(hlo_text: str, platform: str) -> str:
 
 
 def compile_replicated(hlo_text: str, device_list, *,
-                       compiler_options: Mapping[str, Any] | None = None):
+                       compiler_options: Mapping[str, Any] | None = None,
+                       host_callbacks: Sequence[Any] = ()):
     """Compile a per-device module as a replicated program on ``device_list``.
 
     Args:
@@ -118,12 +120,24 @@ def compile_replicated(hlo_text: str, device_list, *,
         rewritten to ``replica-id``).
       device_list: devices in partition order.
       compiler_options: extra XLA options (values as Python bool/int/str).
+      host_callbacks: the original executable's host callbacks (its
+        ``host_callbacks`` list, in order: the module's callback custom calls
+        index it), kept alive by the compiled executable.
 
     Returns:
       (loaded executable, compile seconds).
+
+    Raises:
+      UnsupportedCustomCall: a custom call that cannot be carried (see ``custom_calls``).
+      ExecutorError: XLA rejected the module.
     """
     t0 = time.perf_counter()
     devices = tuple(device_list)
+    if " custom-call(" in hlo_text:
+        # Refuse what the recompile could not run (before XLA sees it: a missing host
+        # callback is a segmentation fault at run time, not an error).
+        check_carryable(hlo_passes.parse_module(hlo_text, source="emitted"),
+                        n_callbacks=len(host_callbacks), platform=devices[0].platform)
     module = parse_with_xla(compensate_round_trip(hlo_text, devices[0].platform))
     mlir = _jax.mlir.hlo_to_stablehlo(module.as_serialized_hlo_module_proto())
     mlir = _mark_donors(mlir, donated_parameters(hlo_text))
@@ -139,7 +153,15 @@ def compile_replicated(hlo_text: str, device_list, *,
         opts.env_option_overrides = list(opts.env_option_overrides) + [(key, value)]
     client = devices[0].client
     try:
-        exe = client.compile_and_load(mlir, xc.DeviceList(devices), opts)
+        if host_callbacks:
+            # Only the ir.Module overload takes host callbacks (as JAX's own compile does).
+            with jax_mlir.make_ir_context() as ctx:
+                module_ir = ir.Module.parse(mlir, context=ctx)
+                exe = client.compile_and_load(
+                    module_ir, executable_devices=xc.DeviceList(devices), compile_options=opts,
+                    host_callbacks=list(host_callbacks))
+        else:
+            exe = client.compile_and_load(mlir, xc.DeviceList(devices), opts)
     except Exception as e:
         raise ExecutorError(f"XLA failed to compile the emitted module: {e}") from e
     return exe, time.perf_counter() - t0

@@ -43,6 +43,24 @@ class Options:
     target: str = "h100_sxm_8"
     # Scheduler settings of the "schedule" pass (time limits, windows, seed).
     scheduler: ScheduleOptions = ScheduleOptions()
+    # Safety net for a recompiled module: on the first call of a signature, run
+    # the original step on a copy of the inputs, compare its outputs with ours
+    # (bitwise, or within the tolerance the passes declare) and on a difference
+    # return the original's outputs and fall back with one warning. "auto" runs
+    # it when a copy of the inputs plus one extra set of outputs fits in half of
+    # the free memory (each device's memory_stats() on GPU/TPU, the host's
+    # available memory on CPU): a training state is often most of a device's
+    # memory, and a check that ran the device out of memory would be the crash
+    # it exists to prevent. Skipped for steps with side effects (debug.print,
+    # io_callback), which would fire twice, and under "auto" when
+    # compiler_options are set (True then compares with the original compiled
+    # with the same options). The identity pipeline runs JAX's own executable
+    # and needs no check. True: always; False: never.
+    check_first_step: bool | str = "auto"
+    # Recompile the post-SPMD module even when no pass changed it. By default an
+    # unchanged module runs JAX's own executable of the step (identical by
+    # construction); True exercises our recompile path (tests, debugging).
+    always_recompile: bool = False
 
     def __post_init__(self):
         from concerto_jax.pipeline import pass_names
@@ -58,6 +76,9 @@ class Options:
 
         if self.target not in CLUSTERS:
             raise ValueError(f"unknown target {self.target!r}; expected one of {sorted(CLUSTERS)}")
+        if self.check_first_step not in (True, False, "auto"):
+            raise ValueError(
+                f"check_first_step must be True, False or 'auto', got {self.check_first_step!r}")
         if not isinstance(self.compiler_options, Mapping):
             raise TypeError(
                 f"compiler_options must be a mapping of XLA option -> value, got "

@@ -26,10 +26,16 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class PassOutcome:
-    """What a pass reports: whether it changed the module, and its statistics."""
+    """What a pass reports: whether it changed the module, and its statistics.
+
+    ``tolerance`` is the relative difference from the original's outputs that the
+    pass allows (0: bitwise; a pass that reassociates sums declares its bound).
+    ``Options.check_first_step`` compares within the largest declared tolerance.
+    """
 
     changed: bool
     stats: dict = dataclasses.field(default_factory=dict)
+    tolerance: float = 0.0
 
 
 PassFn = Callable[[hlo_passes.HloModule, Options], PassOutcome]
@@ -161,7 +167,8 @@ def run(hlo_text: str, options: Options) -> PipelineResult:
         outcome = fn(module, options)
         if options.verify:
             hlo_passes.verify(module)
-        records.append(PassRecord(name, outcome.changed, time.perf_counter() - t, outcome.stats))
+        records.append(PassRecord(name, outcome.changed, time.perf_counter() - t, outcome.stats,
+                                  outcome.tolerance))
         log.info("pass %s: changed=%s %s", name, outcome.changed, outcome.stats)
     timings["passes"] = time.perf_counter() - t_passes
 

@@ -8,12 +8,13 @@ from collections import Counter
 
 @dataclasses.dataclass(frozen=True)
 class PassRecord:
-    """One pass of the pipeline: its name, whether it changed the module, its statistics."""
+    """One pass of the pipeline: whether it changed the module, its statistics, its tolerance."""
 
     name: str
     changed: bool
     seconds: float
     stats: dict = dataclasses.field(default_factory=dict)
+    tolerance: float = 0.0  # relative difference from the original allowed (0: bitwise)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +30,11 @@ class Report:
       collectives: count of collectives by kind in the captured module.
       passes: the pipeline's passes, in order.
       stage_seconds: wall time per stage (capture, parse, passes, print, compile).
+      executable: what runs: ``"original"`` (JAX's own executable of the step: the
+        pipeline left the module unchanged, or the step fell back) or
+        ``"recompiled"`` (our emitted module, compiled as a replicated program).
+      first_step_check: the safety net (``Options.check_first_step``): whether the
+        first optimised call was compared with the original step, and what it found.
     """
 
     function: str
@@ -39,10 +45,15 @@ class Report:
     collectives: dict = dataclasses.field(default_factory=dict)
     passes: tuple[PassRecord, ...] = ()
     stage_seconds: dict = dataclasses.field(default_factory=dict)
+    executable: str = "recompiled"
+    first_step_check: str = "not run"
 
     def __str__(self) -> str:
         lines = [f"concerto_jax report for {self.function!r} on {self.num_devices} devices"]
-        if self.optimized:
+        if self.optimized and self.executable == "original":
+            lines.append("  status: identity pipeline, JAX's own executable of the step runs "
+                         "(no recompile)")
+        elif self.optimized:
             lines.append("  status: optimised module in use")
         else:
             lines.append(f"  status: FELL BACK to the original step ({self.fallback_reason})")
@@ -56,6 +67,7 @@ class Report:
                 lines.append(f"    {p.name:<18} changed={p.changed!s:<5} {p.seconds:7.3f}s  {stats}")
         else:
             lines.append("  passes: none (identity pipeline)")
+        lines.append(f"  first-step check: {self.first_step_check}")
         if self.stage_seconds:
             st = "  ".join(f"{k} {v:.3f}s" for k, v in self.stage_seconds.items())
             lines.append(f"  stage times: {st}")

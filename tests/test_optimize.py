@@ -176,9 +176,16 @@ def test_missing_dump_falls_back(monkeypatch):
     monkeypatch.setattr(capture_lib, "_read_single", lambda pattern, directory: None)
     mesh = _mesh()
     step, make_args = _mlp_step(mesh)
-    opt = concerto_jax.optimize(step)
+    opt = concerto_jax.optimize(step, concerto_jax.Options(always_recompile=True))
     with pytest.warns(concerto_jax.ConcertoFallbackWarning, match="CaptureError"):
         got = opt(*make_args())
     _assert_tree_bitwise(got, step(*make_args()))
     assert not opt.report().optimized
     assert opt.hlo_texts() == ("", None)
+
+    # The identity pipeline runs JAX's own executable and captures only for report().
+    ident = concerto_jax.optimize(step)
+    _assert_tree_bitwise(ident(*make_args()), step(*make_args()))
+    with pytest.warns(concerto_jax.ConcertoFallbackWarning, match="could not be described"):
+        rep = ident.report()
+    assert not rep.optimized and rep.executable == "original"

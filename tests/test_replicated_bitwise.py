@@ -37,7 +37,7 @@ def _assert_bitwise(a, b):
 
 
 def _optimized(step, *args):
-    opt = concerto_jax.optimize(step, concerto_jax.Options(fallback=False))
+    opt = concerto_jax.optimize(step, concerto_jax.Options(fallback=False, always_recompile=True))
     return opt, opt(*args)
 
 

@@ -1,0 +1,182 @@
+"""First-step check: compare the first optimised call with the original step, fall back on a difference.
+
+The safety net behind ``Options.check_first_step``. On the first call of a
+signature whose module was recompiled, the original jitted step runs on a
+*copy* of the inputs (it may donate them) and our executable on the user's
+inputs; the outputs are compared bit for bit, or within the tolerance the
+passes declared (``PassOutcome.tolerance``: relative to the largest magnitude
+of the original leaf). On a difference the caller returns the original's
+outputs (computed on identical inputs, so exactly what the user would have got)
+and falls back for good.
+
+Cost: one more compile (JAX's own, of the original step) and one more step on
+the first call; memory for a copy of the inputs and one extra set of outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+# The copy of the inputs plus one extra output set must fit in this fraction of
+# the free memory (the step itself still needs its temporaries).
+_HEADROOM = 0.5
+
+
+def _shard_bytes_by_device(leaves: Sequence[Any]) -> dict:
+    out: dict = {}
+    for x in leaves:
+        if not isinstance(x, jax.Array):
+            continue
+        for s in x.addressable_shards:
+            data = s.data
+            nbytes = data.size * data.dtype.itemsize
+            if jax.dtypes.issubdtype(data.dtype, jax.dtypes.prng_key):
+                nbytes = jax.random.key_data(data).nbytes
+            out[s.device] = out.get(s.device, 0) + nbytes
+    return out
+
+
+def _out_bytes_by_device(out_avals, out_shardings) -> dict:
+    out: dict = {}
+    for aval, sharding in zip(out_avals, out_shardings, strict=True):
+        shape = sharding.shard_shape(aval.shape)
+        dtype = aval.dtype
+        itemsize = dtype.itemsize
+        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            itemsize = 8
+        nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+        for d in sharding.addressable_devices:
+            out[d] = out.get(d, 0) + nbytes
+    return out
+
+
+def _host_available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def fits_in_memory(arg_leaves: Sequence[Any], out_avals, out_shardings) -> tuple[bool, str]:
+    """Whether a copy of the inputs and one extra output set fit comfortably in free memory.
+
+    Devices with ``memory_stats()`` (GPU, TPU) are judged one by one against
+    ``bytes_limit - bytes_in_use``; devices without (the CPU backend, whose
+    "devices" share the host's memory) are judged together against the host's
+    available memory. "Comfortably" means at most half of it.
+
+    Returns:
+      (fits, a sentence saying what was compared).
+    """
+    need = _shard_bytes_by_device(arg_leaves)
+    for d, b in _out_bytes_by_device(out_avals, out_shardings).items():
+        need[d] = need.get(d, 0) + b
+    host_need = 0
+    for device, nbytes in need.items():
+        stats = None
+        try:
+            stats = device.memory_stats()
+        except Exception:  # noqa: BLE001 - some backends raise instead of returning None
+            stats = None
+        if stats and "bytes_limit" in stats:
+            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+            if nbytes > _HEADROOM * free:
+                return False, (f"{device} needs {nbytes} bytes for the copies, more than half "
+                               f"of its {free} free bytes")
+        else:
+            host_need += nbytes
+    if host_need:
+        free = _host_available_bytes()
+        if free is None or host_need > _HEADROOM * free:
+            return False, (f"the host needs {host_need} bytes for the copies; available: "
+                           f"{free}")
+    total = sum(need.values())
+    return True, f"copies take {total} bytes, within half of the free memory"
+
+
+def copy_arrays(tree: Any) -> Any:
+    """A copy of every ``jax.Array`` leaf of ``tree`` (same shardings, same committedness).
+
+    An uncommitted argument (created without a device, e.g. ``jnp.ones``) stays
+    uncommitted: committing it would make jit reject it next to sharded arguments.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    for i, x in enumerate(leaves):
+        if isinstance(x, jax.Array):
+            if getattr(x, "_committed", True):
+                leaves[i] = jax.device_put(x, x.sharding, may_alias=False)
+            else:
+                leaves[i] = jax.device_put(x, may_alias=False)
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def _host_shards(x: jax.Array) -> list[np.ndarray]:
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    shards = sorted(x.addressable_shards, key=lambda s: s.device.id)
+    return [np.asarray(s.data) for s in shards]
+
+
+def _is_float(dtype) -> bool:
+    return bool(jax.dtypes.issubdtype(dtype, np.inexact))
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    """The raw bits (so NaN payloads and the sign of zero count, as in a bitwise check)."""
+    size = a.dtype.itemsize
+    return a.view(np.dtype(f"u{size}")) if size in (1, 2, 4, 8) else a.view(np.uint8)
+
+
+def differences(reference: Any, got: Any, tolerance: float = 0.0, limit: int = 5) -> list[str]:
+    """Leaves where ``got`` differs from ``reference`` (bitwise, or beyond ``tolerance``).
+
+    Compares this process's shards only (every process compares its own).
+    ``tolerance`` is relative to the largest magnitude of the reference leaf.
+    """
+    ref_leaves, ref_tree = jax.tree_util.tree_flatten_with_path(reference)
+    got_leaves, got_tree = jax.tree.flatten(got)
+    if ref_tree != jax.tree.structure(got) or len(ref_leaves) != len(got_leaves):
+        return [f"output structure differs: {got_tree} vs {ref_tree}"]
+    bad = []
+    for (path, r), g in zip(ref_leaves, got_leaves, strict=True):
+        name = jax.tree_util.keystr(path) or "<output>"
+        if not isinstance(r, jax.Array) or not isinstance(g, jax.Array):
+            if not np.array_equal(np.asarray(r), np.asarray(g)):
+                bad.append(f"{name}: values differ")
+            continue
+        if r.dtype != g.dtype or r.shape != g.shape:
+            bad.append(f"{name}: {g.dtype}{g.shape} vs {r.dtype}{r.shape}")
+            continue
+        for rs, gs in zip(_host_shards(r), _host_shards(g), strict=True):
+            if tolerance > 0 and _is_float(rs.dtype) and not np.iscomplexobj(rs):
+                a, b = rs.astype(np.float64), gs.astype(np.float64)
+                scale = float(np.nanmax(np.abs(a))) if a.size else 0.0
+                ok = np.allclose(b, a, rtol=tolerance, atol=tolerance * scale, equal_nan=True)
+            else:
+                ok = np.array_equal(_bits(rs), _bits(gs))
+            if not ok:
+                diff = ""
+                if _is_float(rs.dtype) and not np.iscomplexobj(rs):
+                    with np.errstate(invalid="ignore"):
+                        d = np.abs(rs.astype(np.float64) - gs.astype(np.float64))
+                    diff = f" (max |diff| {np.nanmax(d):.3g})" if d.size else ""
+                bad.append(f"{name}: values differ{diff}")
+                break
+        if len(bad) >= limit:
+            break
+    return bad
