@@ -189,6 +189,16 @@ def control_flow_durations(comp, makespan_us: Mapping[str, float],
     return out
 
 
+def with_durations(hg: HloTaskGraph, durations: Mapping[str, float]) -> TaskGraph:
+    """``hg.graph`` with the tasks of the named instructions given other durations (µs)."""
+    tasks = list(hg.graph.tasks)
+    for name, us in durations.items():
+        i = hg.task_of.get(name)
+        if i is not None:
+            tasks[i] = dataclasses.replace(tasks[i], duration_us=us)
+    return TaskGraph(tasks, hg.graph.preds)
+
+
 def build_taskgraph(module, cost_model: CostModel, *, fold_aliases: bool = True,
                     stream_of: Callable[[str], int] = default_stream, computation=None,
                     nested_us: Mapping[str, float] | None = None,

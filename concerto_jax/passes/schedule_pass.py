@@ -40,10 +40,11 @@ from concerto_jax.hlo_taskgraph import (
     build_taskgraph,
     control_flow_durations,
     loops_of,
+    with_durations,
 )
 from concerto_jax.pipeline import PassOutcome, register_pass
 from concerto_jax.scheduler.evaluate import evaluate, lower_bound
-from concerto_jax.taskgraph import Event, Phase, TaskGraph
+from concerto_jax.taskgraph import Event, Phase
 from hlo_passes.loops import schedulable_computations, side_effects
 
 log = logging.getLogger(__name__)
@@ -117,16 +118,6 @@ class ComputationSchedule:
     memory_limit_bytes: int | None = None
 
 
-def _with_durations(graph: TaskGraph, hg: HloTaskGraph, durations: dict[str, float]) -> TaskGraph:
-    """``graph`` with the control-flow tasks' durations replaced."""
-    tasks = list(graph.tasks)
-    for name, us in durations.items():
-        i = hg.task_of.get(name)
-        if i is not None:
-            tasks[i] = dataclasses.replace(tasks[i], duration_us=us)
-    return TaskGraph(tasks, graph.preds)
-
-
 def schedule_computation(module, comp, cost_model: CostModel, options, times: dict,
                          problems: list[str]) -> ComputationSchedule:
     """Schedule one computation whose callees are already in ``times``; reorder it in place.
@@ -145,9 +136,9 @@ def schedule_computation(module, comp, cost_model: CostModel, options, times: di
               for key in times}
     hg = build_taskgraph(module, cost_model, fold_aliases=False, computation=comp,
                          nested_us=nested["scheduled"], loop=loop)
-    program_graph = _with_durations(hg.graph, hg, nested["program"])
+    program_graph = with_durations(hg, nested["program"])
     program_us = evaluate(program_graph, hg.events)
-    bound_us = lower_bound(_with_durations(hg.graph, hg, nested["bound"]))
+    bound_us = lower_bound(with_durations(hg, nested["bound"]))
     effects = side_effects(comp)
     skipped, source, solver_s = "", "kept", 0.0
     memory: dict = {}
