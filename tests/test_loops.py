@@ -227,3 +227,43 @@ def test_remat_work_in_backward_body_is_costed_and_used():
         if tl.start[r] < tl.end[c] and tl.start[c] < tl.end[r]
     ]
     assert overlap, "no collective of the backward body overlaps recomputed forward work"
+
+
+_COND = """HloModule cond, num_partitions=1
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%yes (yp: f32[8]) -> f32[8] {
+  %yp = f32[8] parameter(0)
+  %ya = f32[8] all-reduce(%yp), replica_groups={}, to_apply=%add
+  %yt = f32[8] tanh(%yp)
+  ROOT %ym = f32[8] multiply(%ya, %yt)
+}
+
+%no (np: f32[8]) -> f32[8] {
+  %np = f32[8] parameter(0)
+  ROOT %nn = f32[8] negate(%np)
+}
+
+ENTRY %main (p: pred[], x: f32[8]) -> f32[8] {
+  %p = pred[] parameter(0)
+  %x = f32[8] parameter(1)
+  ROOT %c = f32[8] conditional(%p, %x, %x), true_computation=%yes, false_computation=%no
+}
+"""
+
+
+def test_conditional_branches_are_scheduled():
+    module = hlo_passes.parse_module(_COND)
+    assert [c.name for c in schedulable_computations(module)] == ["yes", "no", "main"]
+    stats = PASSES["schedule"](module, Options(passes=("schedule",))).stats
+    assert stats["computations"] == 3 and stats["collectives"] == 1
+    assert stats["collectives_in_loops"] == 0 and stats["loops"] == []
+    # The entry's only task is the conditional: it costs its longer branch.
+    cm = CostModel(get_cluster("h100_sxm_8"))
+    yes = build_taskgraph(module, cm, computation="yes")
+    assert stats["program_order_us"] >= evaluate(yes.graph, yes.events) - 0.05  # stats are rounded

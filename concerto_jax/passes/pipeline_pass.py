@@ -105,9 +105,16 @@ def pipeline_loops_pass(module, options) -> PassOutcome:
              if inst.opcode == "while"]
     records = [decide_loop(module, inst, cost_model, options) for inst in loops]
     applied = [r for r in records if r["applied"]]
+    examined = [r for r in records if "body_peak_bytes" in r]
+    # Peak of the loop bodies as kept (rewritten or not) and their limits; 0 when no loop
+    # body was examined (nothing of this pass holds memory).
+    peaks = [r["pipelined_peak_bytes"] if r["applied"] else r["body_peak_bytes"] for r in examined]
+    limits = [r["memory_limit_bytes"] for r in examined]
     stats = {"target": options.target, "loops": len(records), "pipelined": len(applied),
              "prefetched_collectives": sum(r.get("candidates", 0) for r in applied),
              "extra_carried_bytes": sum(r.get("extra_bytes", 0) for r in applied),
+             "peak_bytes": max(peaks, default=0),
+             "memory_limit_bytes": (None if any(v is None for v in limits) else max(limits, default=0)),
              "per_loop": records}
     log.info("pipeline_loops pass: %s", stats)
     return PassOutcome(changed=bool(applied), stats=stats)
