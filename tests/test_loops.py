@@ -105,8 +105,12 @@ def test_body_graph_knows_its_loop():
     hg = build_taskgraph(module, CostModel(get_cluster("h100_sxm_8")), computation="body")
     assert hg.loop is not None and hg.loop.trip_count == 3 and hg.loop.carried_bytes == 36
     assert sum(t.is_collective for t in hg.graph.tasks) == 1
-    param, root = hg.task_of["bp"], hg.task_of["y"]
+    param = hg.task_of["bp"]
     assert hg.graph.tasks[param].out_bytes == 36
+    # Unfolded, the root tuple waits for the carried state: it stays live the whole iteration.
+    hg = build_taskgraph(module, CostModel(get_cluster("h100_sxm_8")), computation="body",
+                         fold_aliases=False)
+    assert hg.task_of["bp"] in hg.graph.preds[hg.task_of["t"]]
 
 
 def test_while_costs_trips_times_body():
