@@ -18,17 +18,30 @@ This is the single bridge between the IR and the scheduling view: XLA's order
 
 For an unscheduled module the text order is a valid order (operands are
 defined before use), so the same function gives program order.
+
+Any computation that runs as a sequence of kernels can be built, not only the
+entry (``computation=``): ``while`` bodies and conditions, ``conditional``
+branches, ``call`` targets (``hlo_passes.loops.schedulable_computations``). A
+control-flow instruction (``while``/``conditional``/``call``) is one compute
+task whose duration comes from its callees' own schedules (``nested_us``,
+computed bottom-up by ``control_flow_durations``: a while costs
+``trips x (body + condition) + condition``); without it, the cost model's
+flat estimate is used (which ignores the collectives inside). The graph of a
+while body carries its ``LoopInfo`` (trip count, carried values and their
+bytes), and its parameter (the carried tuple) stays live until the root: the
+loop state is held for the whole iteration.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from concerto_jax.costmodel.compute import ArrayInfo, OpInfo
 from concerto_jax.costmodel.model import CostModel
 from concerto_jax.taskgraph import CollectiveInfo, Event, Phase, Task, TaskGraph, TaskKind
+from hlo_passes.loops import LoopInfo, analyze_while, control_flow_callees
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +63,9 @@ class HloTaskGraph:
         to their task; folded aliases are absent).
       aliases: folded instruction name -> the task indices it aliases.
       module_name: the module's name.
+      computation: the computation the graph was built from.
+      loop: for a while body or condition, the loop it belongs to (trip count,
+        carried values and their bytes); None otherwise.
     """
 
     graph: TaskGraph
@@ -57,6 +73,8 @@ class HloTaskGraph:
     task_of: dict[str, int]
     aliases: dict[str, tuple[int, ...]]
     module_name: str = ""
+    computation: str = ""
+    loop: LoopInfo | None = None
 
 
 def _leaves(shape) -> tuple[ArrayInfo, ...]:
@@ -125,20 +143,92 @@ def default_stream(kind: str) -> int:
     return 1
 
 
+def loops_of(module) -> dict[str, LoopInfo]:
+    """Body and condition name -> ``LoopInfo`` of the while running them."""
+    out: dict[str, LoopInfo] = {}
+    for inst in module.instructions():
+        if inst.opcode == "while":
+            info = analyze_while(inst)
+            out.setdefault(info.body, info)
+            out.setdefault(info.condition, info)
+    return out
+
+
+def control_flow_durations(comp, makespan_us: Mapping[str, float],
+                           on_unknown_trips: Callable[[LoopInfo], None] | None = None) -> dict[str, float]:
+    """Duration of each ``while``/``conditional``/``call`` of ``comp`` from its callees' makespans.
+
+    Args:
+      comp: the computation holding the instructions.
+      makespan_us: computation name -> makespan of one run of it (its schedule).
+      on_unknown_trips: called with the ``LoopInfo`` of a while whose trip count is
+        unknown (it is then costed as one iteration).
+
+    Returns:
+      Instruction name -> duration (µs); instructions whose callees are not all in
+      ``makespan_us`` are left out.
+    """
+    out: dict[str, float] = {}
+    for inst in comp.instructions:
+        callees = control_flow_callees(inst)
+        if not callees or any(c.name not in makespan_us for c in callees):
+            continue
+        if inst.opcode == "while":
+            info = analyze_while(inst)
+            trips = info.trip_count
+            if trips is None:
+                if on_unknown_trips is not None:
+                    on_unknown_trips(info)
+                trips = 1
+            body, cond = makespan_us[info.body], makespan_us[info.condition]
+            out[inst.name] = trips * (body + cond) + cond
+        elif inst.opcode == "conditional":
+            out[inst.name] = max(makespan_us[c.name] for c in callees)
+        else:
+            out[inst.name] = sum(makespan_us[c.name] for c in callees)
+    return out
+
+
+def with_durations(hg: HloTaskGraph, durations: Mapping[str, float]) -> TaskGraph:
+    """``hg.graph`` with the tasks of the named instructions given other durations (µs)."""
+    tasks = list(hg.graph.tasks)
+    for name, us in durations.items():
+        i = hg.task_of.get(name)
+        if i is not None:
+            tasks[i] = dataclasses.replace(tasks[i], duration_us=us)
+    return TaskGraph(tasks, hg.graph.preds)
+
+
 def build_taskgraph(module, cost_model: CostModel, *, fold_aliases: bool = True,
-                    stream_of: Callable[[str], int] = default_stream) -> HloTaskGraph:
-    """Build the costed task graph of ``module``'s entry computation and its order.
+                    stream_of: Callable[[str], int] = default_stream, computation=None,
+                    nested_us: Mapping[str, float] | None = None,
+                    loop: LoopInfo | None = None) -> HloTaskGraph:
+    """Build the costed task graph of one computation of ``module`` and its order.
 
     Args:
       module: an ``hlo_passes`` ``HloModule`` (scheduled or not).
       cost_model: gives compute and collective times on the target.
       fold_aliases: fold ``ALIAS_OPCODES`` into their users' dependencies.
       stream_of: communication stream (>= 1) of a collective kind.
+      computation: the computation (object or name); default the entry.
+      nested_us: instruction name -> duration overriding the cost model, for
+        control-flow instructions (see ``control_flow_durations``).
+      loop: the loop ``computation`` is the body or condition of (default: looked
+        up with ``loops_of``). In a body graph, the carried tuple (the parameter)
+        stays live until the root.
 
     Returns:
-      An ``HloTaskGraph``; ``events`` is the entry computation's order.
+      An ``HloTaskGraph``; ``events`` is the computation's order.
     """
-    entry = module.entry
+    if computation is None:
+        entry = module.entry
+    elif isinstance(computation, str):
+        entry = module.computation(computation)
+    else:
+        entry = computation
+    if loop is None and not entry.is_entry:
+        loop = loops_of(module).get(entry.name)
+    nested = nested_us or {}
     num_devices = module.num_devices
     tasks: list[Task] = []
     preds: list[set[int]] = []
@@ -190,15 +280,22 @@ def build_taskgraph(module, cost_model: CostModel, *, fold_aliases: bool = True,
             continue
         info = op_info(inst, cache)
         out_bytes = 0 if inst.opcode in ALIAS_OPCODES else info.result_bytes
-        i = add(Task(inst.name, TaskKind.COMPUTE, cost_model.compute_us(info), out_bytes=out_bytes,
+        duration = nested[inst.name] if inst.name in nested else cost_model.compute_us(info)
+        i = add(Task(inst.name, TaskKind.COMPUTE, duration, out_bytes=out_bytes,
                      opcode=inst.opcode), deps(inst))
         task_of[inst.name] = i
         events.append(Event(i, Phase.RUN))
+    if loop is not None and entry.name == loop.body and entry.root is not None:
+        # The loop state lives across iterations: keep the carried tuple live until the root.
+        root = task_of.get(entry.root.name)
+        params = [task_of[p.name] for p in entry.parameters if p.name in task_of]
+        if root is not None:
+            preds[root] |= {p for p in params if p != root}
     graph = TaskGraph(tasks, preds)
     graph.validate()
     graph.check_schedule(events)
-    log.debug("built %r from module %s", graph, module.name)
-    return HloTaskGraph(graph, events, task_of, aliases, module.name)
+    log.debug("built %r from %s of module %s", graph, entry.name, module.name)
+    return HloTaskGraph(graph, events, task_of, aliases, module.name, entry.name, loop)
 
 
 def _costed_collective(task: Task, kind: str, start, done, cost_model: CostModel, num_devices: int) -> Task:

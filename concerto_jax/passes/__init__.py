@@ -1,6 +1,10 @@
 """Passes of the ``optimize`` pipeline, listed by name in ``concerto_jax.pipeline.PASS_TABLE``.
 
-* ``schedule``: order the entry computation by the RCPSP scheduler (Concerto §4).
+* ``schedule``: order every computation (entry, loop bodies, branches) by the RCPSP
+  scheduler (Concerto §4).
+* ``pipeline_loops``: prefetch next iteration's FSDP all-gathers in scanned-layer
+  loops where the schedule says it pays and the memory limit allows (run before
+  ``schedule``).
 * ``fuse_collectives``: merge compatible collectives into variadic ones, fused sizes
   chosen by the cost model (Concerto §4.5, Algorithm 1).
 * ``pin``: opt-barriers around each collective's planned window, so XLA keeps the overlap.

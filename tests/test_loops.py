@@ -1,0 +1,273 @@
+"""Loops: trip counts and carried values (hlo_passes.loops), every computation scheduled (schedule pass),
+bitwise results for trip counts 1, 2 and odd, one warning for loops the pass cannot cost."""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import concerto_jax
+import concerto_jax.passes  # noqa: F401  (registers the passes)
+import hlo_passes
+from concerto_jax.capture import capture
+from concerto_jax.costmodel import CostModel, get_cluster
+from concerto_jax.hlo_taskgraph import build_taskgraph, loops_of
+from concerto_jax.options import Options
+from concerto_jax.pipeline import PASSES
+from concerto_jax.scheduler.evaluate import evaluate
+from hlo_passes.loops import analyze_while, schedulable_computations
+
+_LOOP = """HloModule loops, num_partitions=1
+
+%add (a: f32[], b: f32[]) -> f32[] {{
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}}
+
+%cond (cp: (s32[], f32[8])) -> pred[] {{
+  %cp = (s32[], f32[8]) parameter(0)
+  %ci = s32[] get-tuple-element(%cp), index=0
+  %bound = s32[] constant({bound})
+  ROOT %lt = pred[] compare({lhs}), direction={direction}
+}}
+
+%body (bp: (s32[], f32[8])) -> (s32[], f32[8]) {{
+  %bp = (s32[], f32[8]) parameter(0)
+  %bi = s32[] get-tuple-element(%bp), index=0
+  %one = s32[] constant({step})
+  %next = s32[] add(%bi, %one)
+  %bx = f32[8] get-tuple-element(%bp), index=1
+  %ar = f32[8] all-reduce(%bx), replica_groups={{}}, to_apply=%add
+  %y = f32[8] multiply(%ar, %ar)
+  ROOT %t = (s32[], f32[8]) tuple(%next, %y)
+}}
+
+ENTRY %main (x: f32[8]) -> (s32[], f32[8]) {{
+  %x = f32[8] parameter(0)
+  %zero = s32[] constant({init})
+  %init = (s32[], f32[8]) tuple(%zero, %x)
+  ROOT %w = (s32[], f32[8]) while(%init), condition=%cond, body=%body{config}
+}}
+"""
+
+
+def _loop(bound=5, init=0, step=1, direction="LT", swapped=False, config=""):
+    lhs = "%bound, %ci" if swapped else "%ci, %bound"
+    text = _LOOP.format(bound=bound, init=init, step=step, direction=direction, lhs=lhs,
+                        config=config)
+    return hlo_passes.parse_module(text)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "trips"),
+    [
+        (dict(bound=5), 5),
+        (dict(bound=1), 1),
+        (dict(bound=0), 0),
+        (dict(bound=7, init=2, step=2), 3),
+        (dict(bound=4, direction="LE"), 5),
+        (dict(bound=6, direction="NE", step=2), 3),
+        (dict(bound=5, direction="GT", swapped=True), 5),  # 5 > i  ==  i < 5
+        (dict(bound=99, config=', backend_config={"known_trip_count":{"n":"3"}}'), 3),
+    ],
+)
+def test_trip_count(kwargs, trips):
+    module = _loop(**kwargs)
+    info = analyze_while(module.entry.root)
+    assert info.trip_count == trips, info
+    assert info.induction_index == 0
+    assert info.source == ("backend_config" if "config" in kwargs else "pattern")
+    # Carried: the counter (4 bytes) and the f32[8] (32 bytes); neither is loop-invariant.
+    assert [(c.index, c.bytes, c.invariant) for c in info.carried] == [(0, 4, False), (1, 32, False)]
+    assert info.carried_bytes == 36
+
+
+def test_trip_count_unknown_says_why():
+    text = _LOOP.format(bound=5, init=0, step=1, direction="LT", lhs="%ci, %bound", config="")
+    text = text.replace("%zero = s32[] constant(0)", "%zero = s32[] partition-id()")
+    info = analyze_while(hlo_passes.parse_module(text).entry.root)
+    assert info.trip_count is None and "initial value" in info.source
+
+
+def test_schedulable_computations_callees_first():
+    module = _loop()
+    names = [c.name for c in schedulable_computations(module)]
+    assert names == ["cond", "body", "main"], names  # the reducer %add is part of a kernel
+
+
+def test_body_graph_knows_its_loop():
+    module = _loop(bound=3)
+    hg = build_taskgraph(module, CostModel(get_cluster("h100_sxm_8")), computation="body")
+    assert hg.loop is not None and hg.loop.trip_count == 3 and hg.loop.carried_bytes == 36
+    assert sum(t.is_collective for t in hg.graph.tasks) == 1
+    param = hg.task_of["bp"]
+    assert hg.graph.tasks[param].out_bytes == 36
+    # Unfolded, the root tuple waits for the carried state: it stays live the whole iteration.
+    hg = build_taskgraph(module, CostModel(get_cluster("h100_sxm_8")), computation="body",
+                         fold_aliases=False)
+    assert hg.task_of["bp"] in hg.graph.preds[hg.task_of["t"]]
+
+
+def test_while_costs_trips_times_body():
+    module = _loop(bound=3)
+    stats = PASSES["schedule"](module, Options(passes=("schedule",))).stats
+    (loop,) = stats["loops"]
+    assert loop["trips"] == 3 and loop["collectives"] == 1 and stats["collectives_in_loops"] == 1
+    assert stats["collectives"] == 1 and stats["computations"] == 3
+    # The entry is the while alone (+ free ops): 3 x (body + cond) + cond.
+    cm = CostModel(get_cluster("h100_sxm_8"))
+    body = evaluate(build_taskgraph(module, cm, computation="body").graph,
+                    build_taskgraph(module, cm, computation="body").events)
+    assert stats["program_order_us"] >= 3 * body - 1e-6
+    assert stats["program_order_us"] < 4 * body + 10
+
+
+# --------------------------------------------------------------------------------------
+# JAX programs: stacked weights under lax.scan, tensor-parallel, forward and backward loops.
+
+def _scan_step(num_layers: int, fsdp: bool = False):
+    """Tensor parallel (column then row sharded weights), or FSDP (weights and batch sharded)."""
+    mesh = jax.make_mesh((8,), ("m",), axis_types=(jax.sharding.AxisType.Auto,))
+    col = NamedSharding(mesh, P(None, None, "m"))
+    row = NamedSharding(mesh, P(None, "m", None))
+    rep = NamedSharding(mesh, P("m") if fsdp else P())
+    if fsdp:
+        col = row
+
+    def loss(params, x):
+        def layer(h, w):
+            wi, wo = w
+            return h + jnp.tanh(h @ wi) @ wo, None
+
+        h, _ = jax.lax.scan(jax.checkpoint(layer), x, params)
+        return jnp.mean(h ** 2)
+
+    @partial(jax.jit, in_shardings=((col, row), rep),
+             out_shardings=((col, row), NamedSharding(mesh, P())))
+    def step(params, x):
+        v, g = jax.value_and_grad(loss)(params, x)
+        return jax.tree.map(lambda p, q: p - 0.1 * q, params, g), v
+
+    k1, k2, k3 = jax.random.split(jax.random.key(num_layers), 3)
+    wi = jax.device_put(jax.random.normal(k1, (num_layers, 32, 64)) * 0.1, col)
+    wo = jax.device_put(jax.random.normal(k2, (num_layers, 64, 32)) * 0.1, row)
+    x = jax.device_put(jax.random.normal(k3, (64 if fsdp else 16, 32)), rep)
+    return step, (wi, wo), x
+
+
+@pytest.mark.parametrize("num_layers", [1, 3])  # 2 layers: tests/test_models_scan, test_loops_optimize
+def test_scanned_tp_step_bitwise_with_loops_scheduled(num_layers):
+    step, params, x = _scan_step(num_layers)
+    opt = concerto_jax.optimize(step, concerto_jax.Options(passes=("schedule",), fallback=False))
+    got, want = opt(params, x), step(params, x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    stats = opt.report().passes[0].stats
+    assert len(stats["loops"]) == 2, stats["loops"]  # forward and backward layer loops
+    assert {loop["trips"] for loop in stats["loops"]} == {num_layers}
+    assert stats["collectives_in_loops"] >= 2, "the TP all-reduces live in the loop bodies"
+    assert stats["collectives"] >= stats["collectives_in_loops"]
+    assert stats["scheduled_us"] <= stats["program_order_us"] + 1e-6
+    captured, _ = opt.hlo_texts()
+    assert captured.count(" while(") == 2
+
+
+def test_dynamic_trip_count_warns_once_and_stays_bitwise():
+    mesh = jax.make_mesh((8,), ("m",), axis_types=(jax.sharding.AxisType.Auto,))
+    sh = NamedSharding(mesh, P("m"))
+
+    @partial(jax.jit, in_shardings=(sh, None), out_shardings=sh)
+    def step(x, n):
+        def body(i, h):
+            return jnp.tanh(h + jnp.sum(h))  # the sum is an all-reduce over "m"
+        return jax.lax.fori_loop(0, n, body, x)
+
+    x = jax.device_put(jnp.arange(64.0) / 64, sh)
+    n = jnp.int32(3)
+    opt = concerto_jax.optimize(step, concerto_jax.Options(passes=("schedule",), fallback=False))
+    with pytest.warns(UserWarning, match="trip count unknown") as record:
+        got = opt(x, n)
+    assert len([w for w in record if "trip count unknown" in str(w.message)]) == 1
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(step(x, n)))
+    stats = opt.report().passes[0].stats
+    assert stats["loops"] and stats["loops"][0]["trips"] is None
+    assert stats["collectives_in_loops"] >= 1
+
+
+def test_remat_work_in_backward_body_is_costed_and_used():
+    """The backward loop body recomputes the forward layer (jax.checkpoint): those tasks are
+    costed, and the scheduled body runs a collective while recomputed work runs."""
+    step, params, x = _scan_step(4, fsdp=True)
+    module = hlo_passes.parse_module(capture(step, (params, x)).hlo_text)
+    cm = CostModel(get_cluster("h100_sxm_8"))
+    loops = loops_of(module)
+    bodies = {info.body for info in loops.values()}
+    (bwd,) = [b for b in bodies if any("rematted_computation" in str(i.metadata)
+                                       for i in module.computation(b).instructions)]
+    body = module.computation(bwd)
+    remat = {i.name for i in body.instructions if "rematted_computation" in str(i.metadata)}
+    assert remat, "jax.checkpoint should leave recomputed forward work in the backward body"
+    hg = build_taskgraph(module, cm, computation=body, fold_aliases=False)
+    remat_us = sum(hg.graph.tasks[hg.task_of[n]].duration_us for n in remat if n in hg.task_of)
+    assert remat_us > 0
+    before = [i.name for i in body.instructions]
+    PASSES["schedule"](module, Options(passes=("schedule",)))
+    assert [i.name for i in body.instructions] != before, "the backward body should be reordered"
+    from concerto_jax.scheduler.evaluate import simulate
+
+    hg = build_taskgraph(module, cm, computation=body, fold_aliases=False)
+    tl = simulate(hg.graph, hg.events)
+    colls = [i for i, t in enumerate(hg.graph.tasks) if t.is_collective and t.duration_us > 0]
+    remat_tasks = [hg.task_of[n] for n in remat if n in hg.task_of
+                   and hg.graph.tasks[hg.task_of[n]].duration_us > 0]
+    overlap = [
+        (hg.graph.tasks[c].name, hg.graph.tasks[r].name)
+        for c in colls for r in remat_tasks
+        if tl.start[r] < tl.end[c] and tl.start[c] < tl.end[r]
+    ]
+    assert overlap, "no collective of the backward body overlaps recomputed forward work"
+
+
+_COND = """HloModule cond, num_partitions=1
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%yes (yp: f32[8]) -> f32[8] {
+  %yp = f32[8] parameter(0)
+  %ya = f32[8] all-reduce(%yp), replica_groups={}, to_apply=%add
+  %yt = f32[8] tanh(%yp)
+  ROOT %ym = f32[8] multiply(%ya, %yt)
+}
+
+%no (np: f32[8]) -> f32[8] {
+  %np = f32[8] parameter(0)
+  ROOT %nn = f32[8] negate(%np)
+}
+
+ENTRY %main (p: pred[], x: f32[8]) -> f32[8] {
+  %p = pred[] parameter(0)
+  %x = f32[8] parameter(1)
+  ROOT %c = f32[8] conditional(%p, %x, %x), true_computation=%yes, false_computation=%no
+}
+"""
+
+
+def test_conditional_branches_are_scheduled():
+    module = hlo_passes.parse_module(_COND)
+    assert [c.name for c in schedulable_computations(module)] == ["yes", "no", "main"]
+    stats = PASSES["schedule"](module, Options(passes=("schedule",))).stats
+    assert stats["computations"] == 3 and stats["collectives"] == 1
+    assert stats["collectives_in_loops"] == 0 and stats["loops"] == []
+    # The entry's only task is the conditional: it costs its longer branch.
+    cm = CostModel(get_cluster("h100_sxm_8"))
+    yes = build_taskgraph(module, cm, computation="yes")
+    assert stats["program_order_us"] >= evaluate(yes.graph, yes.events) - 0.05  # stats are rounded

@@ -1,0 +1,70 @@
+"""Scanned (+remat) variant of every model x layout: optimize(step) with the schedule pass, which
+now reorders the while bodies of the layer loops, equals plain jit bitwise over 2 training steps.
+
+Both sides are compiled with the same fast XLA options (LLVM -O0). The whole matrix (18 cases)
+takes ~9 min on the 2-core dev machine, too long for the default suite: by default a subset
+covering TP, FSDP and 2-D layouts runs; ``CONCERTO_FULL_SCAN_MATRIX=1`` runs all.
+
+evoformer x dap (scanned) is not bitwise even with the identity pipeline (``passes=()``, nothing
+reordered): the HLO -> StableHLO -> replicated-compile round trip changes its numerics. That is a
+round-trip problem of the executor, not of the schedule pass; the case is marked xfail (strict).
+"""
+
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import concerto_jax
+import models
+
+SCAN_MODELS = ("gpt", "vit", "evoformer")
+ALL = [(m, lay) for m, lay in models.list_cases() if m in SCAN_MODELS]
+# TP all-reduces, FSDP all-gathers, 2-D DP x TP (Evoformer compiles take ~1 min each: full matrix).
+SUBSET = {("gpt", "tp"), ("gpt", "zero3"), ("gpt", "dp_tp")}
+CASES = ALL if os.environ.get("CONCERTO_FULL_SCAN_MATRIX") == "1" else [c for c in ALL if c in SUBSET]
+ROUND_TRIP_NOT_BITWISE = {("evoformer", "dap")}
+FAST = {"xla_backend_optimization_level": 0}
+
+
+def _bitwise_diff(a, b) -> list[str]:
+    bad = []
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True):
+        if x.dtype != y.dtype or x.shape != y.shape:
+            bad.append(f"{jax.tree_util.keystr(path)}: {x.dtype}{x.shape} vs {y.dtype}{y.shape}")
+        elif not np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True):
+            bad.append(f"{jax.tree_util.keystr(path)}: values differ")
+    return bad
+
+
+@pytest.mark.parametrize(("model", "layout"), [
+    pytest.param(m, lay, marks=pytest.mark.xfail(
+        strict=True, reason="the identity pipeline already differs (executor round trip)"))
+    if (m, lay) in ROUND_TRIP_NOT_BITWISE else (m, lay) for m, lay in CASES],
+    ids=[f"{m}-{lay}" for m, lay in CASES])
+def test_scanned_step_is_bitwise_equal(model, layout):
+    case = models.make_case(model, layout, "tiny", scan_layers=True, remat=True)
+    reference = case.step.lower(case.state, case.batch).compile(compiler_options=FAST)
+    step = concerto_jax.optimize(case.step, concerto_jax.Options(
+        passes=("schedule",), compiler_options=FAST, fallback=False))
+    ref, opt = case.init_state(0), case.init_state(0)
+    for i in range(2):
+        ref, ref_metrics = reference(ref, case.batch)
+        opt, opt_metrics = step(opt, case.batch)
+        bad = _bitwise_diff((opt, opt_metrics), (ref, ref_metrics))
+        assert not bad, f"step {i}: {bad[:5]}"
+    report = step.report()
+    assert report.optimized, report.fallback_reason
+    (sched,) = report.passes
+    stats = sched.stats
+    assert stats["loops"], "the layer loops must be scheduled"
+    assert stats["computations"] >= 3, stats  # entry + forward and backward layer loops
+    for loop in stats["loops"]:
+        assert loop["trips"] == case.config.num_layers if model != "evoformer" else case.config.num_blocks
+    if layout not in ("dp", "shard_map_dp"):
+        # Layer collectives (TP all-reduces, FSDP all-gathers, DAP all-to-alls) live in the loops.
+        assert stats["collectives_in_loops"] > 0, stats
+    assert stats["scheduled_us"] <= stats["program_order_us"] + 1e-6
+    if any(loop["changed"] for loop in stats["loops"]):
+        assert sched.changed
