@@ -29,7 +29,7 @@ import jax
 
 from concerto_jax import capture as capture_lib
 from concerto_jax import executor, multiprocess, pipeline
-from concerto_jax.options import Options
+from concerto_jax.options import Options, defaults_for_platform
 from concerto_jax.report import Report
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,7 @@ class OptimizedStep:
             raise TypeError(f"options must be a concerto_jax.Options, got {type(options).__name__}")
         self._fn = fn
         self.options = options or Options()
+        self._platform_default = options is None  # no Options given: defaults_for_platform decides
         self._cache: dict[tuple, _Entry] = {}
         self._last_key: tuple | None = None
         self._warned: set[str] = set()
@@ -148,10 +149,14 @@ class OptimizedStep:
         n_dev = cap.num_partitions if cap is not None else len(jax.devices())
         timings = {"capture": cap.seconds} if cap is not None else {}
 
+        options = self.options
+        if self._platform_default and cap is not None:
+            options = defaults_for_platform(cap.device_list[0].platform)
+
         def plan() -> dict:
             if cap is None:
                 raise capture_error
-            return pipeline.run(text, self.options).to_json()
+            return pipeline.run(text, options).to_json()
 
         compiled, failure = None, None
         try:
