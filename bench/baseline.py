@@ -82,10 +82,11 @@ class CompiledCase:
     compiled: object  # concerto_jax.target.TargetCompile (final text, LHS dumps)
 
 
-def compile_case(case: BenchCase) -> CompiledCase:
-    """Build ``case``'s train step on a deviceless mesh of its cluster and compile it with LHS dumps."""
-    from concerto_jax.costmodel import CostModel, get_cluster
-    from concerto_jax.target import CompileOptions, compile_lowered, topology
+def model_case(case: BenchCase):
+    """``case``'s train step (a ``models.Case``, abstract state/batch) on a deviceless mesh of its
+    cluster, with its preset name and config."""
+    from concerto_jax.costmodel import get_cluster
+    from concerto_jax.target import topology
     from models.layouts import make_mesh
     from models.registry import MODELS, make_case
 
@@ -93,7 +94,17 @@ def compile_case(case: BenchCase) -> CompiledCase:
     devices = sorted(topology(cluster).devices, key=lambda d: d.id)
     mesh = make_mesh(case.layout, case.mesh_shape, devices=devices)
     preset, cfg = _config(MODELS[case.model], case)
-    lowered = make_case(case.model, case.layout, cfg, mesh=mesh).lower()
+    return make_case(case.model, case.layout, cfg, mesh=mesh), preset, cfg
+
+
+def compile_case(case: BenchCase) -> CompiledCase:
+    """Build ``case``'s train step on a deviceless mesh of its cluster and compile it with LHS dumps."""
+    from concerto_jax.costmodel import CostModel, get_cluster
+    from concerto_jax.target import CompileOptions, compile_lowered
+
+    cluster = get_cluster(case.cluster)
+    mcase, preset, cfg = model_case(case)
+    lowered = mcase.lower()
     tc = compile_lowered(lowered, cluster, CompileOptions(dump_lhs=True, extra=case.xla_options))
     return CompiledCase(preset, cfg, cluster, CostModel(cluster), lowered, tc)
 

@@ -10,6 +10,8 @@ import sys
 
 def main(argv=None) -> int:
     """Parse arguments and run the chosen benchmark; returns the exit status."""
+    # Every subcommand compiles deviceless or runs on the CPU: JAX on CPU, set before JAX starts.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     parser = argparse.ArgumentParser(prog="concerto-bench", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("baseline", help="stock XLA schedule vs program order vs lower bound, simulated")
@@ -31,6 +33,13 @@ def main(argv=None) -> int:
 
     concerto_vs_xla.add_arguments(sub.add_parser(
         "concerto", help="Concerto(S) vs stock XLA on the same fused graph, simulated"))
+    fid = sub.add_parser("fidelity", help="XLA's final module of our pinned program vs plan vs stock XLA")
+    fid.add_argument("--case", action="append", help="run only this case (repeatable)")
+    fid.add_argument("--quick", action="store_true", help="run only the quick subset")
+    fid.add_argument("--out", default="bench/results", help="output directory")
+    fid.add_argument("--prefix", default=None, help="result file prefix (default: fidelity[_quick])")
+    fid.add_argument("--dump-dir", default=None, help="write each case's modules under this directory")
+    fid.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     if args.command == "concerto":
         return concerto_vs_xla.run_from_args(args, "python -m bench.cli concerto")
@@ -45,6 +54,17 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     from bench import baseline, suite
 
+    if args.command == "fidelity":
+        from bench import fidelity
+
+        prefix = args.prefix or ("fidelity_quick" if args.quick or args.case else "fidelity")
+        cmd = " ".join(["python -m bench.cli fidelity"] + [f"--case {c}" for c in args.case or ()]
+                       + (["--quick"] if args.quick else []))
+        rows = fidelity.run(suite.select_cases(args.case, args.quick),
+                            fidelity.FidelityOptions(out_dir=args.out, prefix=prefix, dump_dir=args.dump_dir), cmd)
+        with open(os.path.join(args.out, f"{prefix}.md")) as f:
+            sys.stdout.write(f.read())
+        return 0 if all(not str(r["status"]).startswith("error") for r in rows) else 1
     if args.command == "validate-cpu":
         baseline.run_cpu_validation(args.out, repeats=args.repeats)
         with open(os.path.join(args.out, "baseline_cpu_validation.md")) as f:

@@ -30,7 +30,7 @@ import numpy as np
 
 from concerto_jax import capture as capture_lib
 from concerto_jax import executor, first_step, multiprocess, pipeline
-from concerto_jax.options import Options
+from concerto_jax.options import Options, defaults_for_platform
 from concerto_jax.report import Report
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,9 @@ class OptimizedStep:
             raise TypeError(f"options must be a concerto_jax.Options, got {type(options).__name__}")
         self._fn = fn
         self.options = options or Options()
+        # No Options given: the backend decides (schedule + pin on GPUs, identity on CPU);
+        # resolved at the first build, when the arguments say which devices run the step.
+        self._platform_default = options is None
         self._cache: dict[tuple, _Entry] = {}
         self._last_key: tuple | None = None
         self._warned: set[str] = set()
@@ -230,6 +233,9 @@ class OptimizedStep:
 
     def _build(self, args: tuple, kwargs: dict) -> _Entry:
         name = getattr(self._fn, "__name__", "step")
+        if self._platform_default:
+            self.options = defaults_for_platform(_platform_of(args, kwargs))
+            self._platform_default = False
         if not self.options.passes and not self.options.always_recompile:
             # Identity by construction: JAX's own executable, nothing captured until report().
             return _Entry(None, None, abstract=jax.tree.map(_abstract, (args, kwargs)))
@@ -334,6 +340,16 @@ class OptimizedStep:
             entry.report, optimized=False, fallback_reason=reason, executable="original",
             first_step_check=f"ran: DIFFERED ({found}); fell back")
         return reference
+
+
+def _platform_of(args: tuple, kwargs: dict) -> str:
+    """The platform of the devices holding the step's first array argument (JAX's default else)."""
+    for leaf in jax.tree.leaves((args, kwargs)):
+        sharding = getattr(leaf, "sharding", None)
+        devices = getattr(sharding, "device_set", None)
+        if devices:
+            return next(iter(devices)).platform
+    return jax.default_backend()
 
 
 def _dump(directory: str, name: str, captured: str, emitted: str) -> None:

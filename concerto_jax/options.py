@@ -83,3 +83,16 @@ class Options:
             raise TypeError(
                 f"compiler_options must be a mapping of XLA option -> value, got "
                 f"{type(self.compiler_options).__name__}")
+
+
+GPU_DEFAULT_PASSES: tuple[str, ...] = ("schedule", "pin")
+"""Passes ``optimize`` runs when the user gives no ``Options`` and the step runs on GPUs:
+the RCPSP order, pinned so that XLA's GPU scheduler keeps its overlap windows."""
+
+_GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
+
+
+def defaults_for_platform(platform: str) -> Options:
+    """The default ``Options`` for a backend: ``GPU_DEFAULT_PASSES`` on GPUs, identity elsewhere
+    (XLA:CPU has no async collectives, so a schedule buys nothing there)."""
+    return Options(passes=GPU_DEFAULT_PASSES) if platform in _GPU_PLATFORMS else Options()

@@ -36,7 +36,7 @@ import dataclasses
 from hlo_passes.ir import Computation, HloModule, Instruction
 from hlo_passes.shapes import Shape
 
-__all__ = ["CHEAP_OPCODES", "PinStats", "Window", "pin_window", "pin_windows", "windows_from_order"]
+__all__ = ["ANCHOR_OPCODES", "CHEAP_OPCODES", "PinStats", "Window", "pin_window", "pin_windows", "windows_from_order"]
 
 CHEAP_OPCODES = frozenset({
     "broadcast", "reshape", "bitcast", "transpose", "copy", "get-tuple-element", "tuple",
@@ -58,11 +58,18 @@ class Window:
       members: names of the instructions between it and its first real reader, in order
         (other collectives and the collective's own aliases excluded).
       compute: how many members are compute (not ``CHEAP_OPCODES``).
+      last: the window's last instruction; None: up to the collective's first real reader.
     """
 
     collective: str
     members: tuple[str, ...]
     compute: int
+    last: str | None = None
+
+    def until(self, last: str) -> Window:
+        """The window cut after member ``last`` (the planned transfer ends during it)."""
+        k = self.members.index(last) + 1
+        return Window(self.collective, self.members[:k], self.compute, last)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,10 +152,18 @@ def _barrier(comp: Computation, module: HloModule, values: list[Instruction], be
     return outs
 
 
-def pin_window(module: HloModule, comp: Computation, window: Window) -> tuple[int, int] | str:
+ANCHOR_OPCODES = frozenset({"dot", "convolution", "custom-call", "fusion"})
+"""Default window compute that barriers tie: the kernels that carry the time (GEMMs,
+convolutions). Elementwise work around them stays free to fuse and to move."""
+
+
+def pin_window(module: HloModule, comp: Computation, window: Window,
+               anchors: frozenset[str] | None = ANCHOR_OPCODES) -> tuple[int, int] | str:
     """Pin one window with its two barriers (see the module docstring).
 
-    The window is re-read from the current order (earlier pins add instructions).
+    The window is re-read from the current order (earlier pins add instructions). Only
+    members whose opcode is in ``anchors`` (None: every compute member) get their inputs
+    through the "before" barrier and their outputs through the "after" barrier.
 
     Returns:
       ``(values through the before barrier, values through the after barrier)``, or the reason
@@ -163,21 +178,26 @@ def pin_window(module: HloModule, comp: Computation, window: Window) -> tuple[in
     end, aliases = _first_reader(comp, c, pos)
     if end >= len(insts):
         return "nothing reads the collective"
+    if window.last is not None:
+        cut = pos[id(comp.instruction(window.last))] + 1
+        if not k < cut <= end:
+            return f"%{window.last} is not between the collective and its first reader"
+        end = cut
     members = [i for i in insts[k + 1:end] if i not in aliases and not i.is_collective]
     member_set = set(members)
     # Before: values defined before c that window compute reads (constants and iotas are free).
+    tied = [w for w in members if w.opcode not in CHEAP_OPCODES and (anchors is None or w.opcode in anchors)]
+    if not tied:
+        return "no anchor compute in the window"
     inputs: list[Instruction] = []
-    for w in members:
-        if w.opcode in CHEAP_OPCODES:
-            continue
+    for w in tied:
         for o in w.operands:
             if pos.get(id(o), len(insts)) < k and o.opcode not in ("constant", "iota", "broadcast") \
                     and not o.shape.is_token and o not in inputs:
                 inputs.append(o)
     before_vals = list(dict.fromkeys(list(c.operands) + inputs))
     # After: c and the window values read at or after the window's end.
-    outputs = [w for w in members if w.opcode not in ("parameter", "constant", "iota")
-               and not w.shape.is_token
+    outputs = [w for w in tied if not w.shape.is_token
                and any(pos.get(id(u), -1) >= end for u in w.users)]
     after_vals = [c] + outputs
     readers = {id(v): [u for u in v.users if pos.get(id(u), -1) >= end or (v is c and u in aliases)]
@@ -187,9 +207,7 @@ def pin_window(module: HloModule, comp: Computation, window: Window) -> tuple[in
     repl = dict(zip(before_vals, b_out, strict=True))
     for o in dict.fromkeys(c.operands):
         c.replace_operand(o, repl[o])
-    for w in members:
-        if w.opcode in CHEAP_OPCODES:
-            continue
+    for w in tied:
         for o in dict.fromkeys(w.operands):
             if o in repl and o not in member_set:
                 w.replace_operand(o, repl[o])
@@ -208,13 +226,14 @@ def pin_window(module: HloModule, comp: Computation, window: Window) -> tuple[in
 
 
 def pin_windows(module: HloModule, windows: list[Window] | None = None,
-                min_compute: int = 1) -> PinStats:
+                min_compute: int = 1, anchors: frozenset[str] | None = ANCHOR_OPCODES) -> PinStats:
     """Pin the windows of ``module``'s entry computation (default: ``windows_from_order``).
 
     Args:
       module: the module, its entry in the planned order.
       windows: the windows to pin (default: read from the entry's order).
       min_compute: pin only windows with at least this many compute instructions.
+      anchors: opcodes of the window compute the barriers tie (see ``pin_window``).
 
     Returns:
       A ``PinStats``.
@@ -228,7 +247,7 @@ def pin_windows(module: HloModule, windows: list[Window] | None = None,
         if w.compute < min_compute:
             skipped[w.collective] = "window too small"
             continue
-        res = pin_window(module, comp, w)
+        res = pin_window(module, comp, w, anchors)
         if isinstance(res, str):
             skipped[w.collective] = res
             continue

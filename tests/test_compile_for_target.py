@@ -7,7 +7,15 @@ import pytest
 import concerto_jax
 from concerto_jax.target import gpu_plugin_available
 
-pytestmark = pytest.mark.skipif(not gpu_plugin_available(), reason="CUDA PJRT plugin missing: pip install -e .[gpu]")
+needs_plugin = pytest.mark.skipif(not gpu_plugin_available(), reason="CUDA PJRT plugin missing: pip install -e .[gpu]")
+
+
+def test_default_passes_by_platform():
+    from concerto_jax.options import GPU_DEFAULT_PASSES, defaults_for_platform
+
+    assert defaults_for_platform("cpu").passes == ()
+    assert defaults_for_platform("gpu").passes == GPU_DEFAULT_PASSES == ("schedule", "pin")
+    assert defaults_for_platform("cuda").passes == GPU_DEFAULT_PASSES
 
 
 def _mlp():
@@ -27,6 +35,7 @@ def _mlp():
     return jax.jit(jax.grad(loss, argnums=(0, 1))), args
 
 
+@needs_plugin
 def test_compile_for_target_pins_and_measures(tmp_path):
     step, args = _mlp()
     res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=concerto_jax.Options(
@@ -45,6 +54,7 @@ def test_compile_for_target_pins_and_measures(tmp_path):
         assert os.path.getsize(tmp_path / name) > 0
 
 
+@needs_plugin
 def test_compile_for_target_falls_back_with_one_warning(monkeypatch):
     from concerto_jax.target import program
 
