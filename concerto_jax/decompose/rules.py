@@ -52,6 +52,18 @@ def _elementwise(inst) -> AxisMap:
     return {d: tuple(d if _rank(o) == rank else None for o in inst.operands) for d in range(rank)}
 
 
+def _divide(inst) -> AxisMap:
+    """Elementwise, except along the broadcast dimensions of a divisor ``broadcast(B)`` whose
+    ``B`` has one use: XLA:CPU rewrites ``A / broadcast(B)`` into ``A * broadcast(1/B)``
+    only while ``B`` has one use, and the chunks would give ``B`` N uses (an ulp apart)."""
+    out = _elementwise(inst)
+    divisor = inst.operands[1]
+    if divisor.opcode == "broadcast" and len(divisor.operands[0].users) == 1:
+        kept = set(divisor.dimensions or [])
+        out = {d: dims for d, dims in out.items() if d in kept}
+    return out
+
+
 def _dot(inst) -> AxisMap:
     lhs, rhs = inst.operands[:2]
     lb = _attrs.parse_int_list(inst.attr("lhs_batch_dims", "{}"))
@@ -211,6 +223,7 @@ def _no_split(inst) -> AxisMap:
 
 RULES: dict[str, RuleFn] = {
     **{op: _elementwise for op in ELEMENTWISE},
+    "divide": _divide,
     "dot": _dot,
     "convolution": _convolution,
     "broadcast": _broadcast,
