@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -31,6 +32,16 @@ def main(argv=None) -> int:
 
     concerto_vs_xla.add_arguments(sub.add_parser(
         "concerto", help="Concerto(S) vs stock XLA on the same fused graph, simulated"))
+    d = sub.add_parser("decompose", help="stock XLA vs Concerto(S) vs Concerto(S+AD), XLA's final module")
+    d.add_argument("--case", action="append", help="run only this case (repeatable)")
+    d.add_argument("--quick", action="store_true", help="run only the quick subset")
+    d.add_argument("--out", default="bench/results", help="output directory")
+    d.add_argument("-v", "--verbose", action="store_true")
+    dc = sub.add_parser("decompose-calibrate",
+                        help="measure the decomposition's chunk overhead and overlap slowdown (CPU)")
+    dc.add_argument("--repeats", type=int, default=15)
+    dc.add_argument("--out", default="concerto_jax/decompose/calibration.json")
+    dc.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     if args.command == "concerto":
         return concerto_vs_xla.run_from_args(args, "python -m bench.cli concerto")
@@ -45,6 +56,22 @@ def main(argv=None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     from bench import baseline, suite
 
+    if args.command == "decompose-calibrate":
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", 8)
+        from bench import decompose_bench
+
+        sys.stdout.write(json.dumps(decompose_bench.calibrate(args.repeats, args.out), indent=1) + "\n")
+        return 0
+    if args.command == "decompose":
+        from bench import decompose_bench
+
+        prefix = "decompose_quick" if args.quick or args.case else "decompose"
+        rows = decompose_bench.run(suite.select_cases(args.case, args.quick), args.out, prefix)
+        with open(os.path.join(args.out, f"{prefix}.md")) as f:
+            sys.stdout.write(f.read())
+        return 0 if all(not str(r["status"]).startswith("error") for r in rows) else 1
     if args.command == "validate-cpu":
         baseline.run_cpu_validation(args.out, repeats=args.repeats)
         with open(os.path.join(args.out, "baseline_cpu_validation.md")) as f:
