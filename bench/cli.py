@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -40,6 +41,16 @@ def main(argv=None) -> int:
     fid.add_argument("--prefix", default=None, help="result file prefix (default: fidelity[_quick])")
     fid.add_argument("--dump-dir", default=None, help="write each case's modules under this directory")
     fid.add_argument("-v", "--verbose", action="store_true")
+    d = sub.add_parser("decompose", help="stock XLA vs Concerto(S) vs Concerto(S+AD), XLA's final module")
+    d.add_argument("--case", action="append", help="run only this case (repeatable)")
+    d.add_argument("--quick", action="store_true", help="run only the quick subset")
+    d.add_argument("--out", default="bench/results", help="output directory")
+    d.add_argument("-v", "--verbose", action="store_true")
+    dc = sub.add_parser("decompose-calibrate",
+                        help="measure the decomposition's chunk overhead and overlap slowdown (CPU)")
+    dc.add_argument("--repeats", type=int, default=15)
+    dc.add_argument("--out", default="concerto_jax/decompose/calibration.json")
+    dc.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     if args.command == "concerto":
         return concerto_vs_xla.run_from_args(args, "python -m bench.cli concerto")
@@ -62,6 +73,22 @@ def main(argv=None) -> int:
                        + (["--quick"] if args.quick else []))
         rows = fidelity.run(suite.select_cases(args.case, args.quick),
                             fidelity.FidelityOptions(out_dir=args.out, prefix=prefix, dump_dir=args.dump_dir), cmd)
+        with open(os.path.join(args.out, f"{prefix}.md")) as f:
+            sys.stdout.write(f.read())
+        return 0 if all(not str(r["status"]).startswith("error") for r in rows) else 1
+    if args.command == "decompose-calibrate":
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", 8)
+        from bench import decompose_bench
+
+        sys.stdout.write(json.dumps(decompose_bench.calibrate(args.repeats, args.out), indent=1) + "\n")
+        return 0
+    if args.command == "decompose":
+        from bench import decompose_bench
+
+        prefix = "decompose_quick" if args.quick or args.case else "decompose"
+        rows = decompose_bench.run(suite.select_cases(args.case, args.quick), args.out, prefix)
         with open(os.path.join(args.out, f"{prefix}.md")) as f:
             sys.stdout.write(f.read())
         return 0 if all(not str(r["status"]).startswith("error") for r in rows) else 1

@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from concerto_jax.decompose.options import DecomposeOptions
 from concerto_jax.scheduler import ScheduleOptions
 
 
@@ -19,7 +20,8 @@ class Options:
     """
 
     # Passes, in pipeline order; the accepted names are those of
-    # concerto_jax.pipeline.PASS_TABLE: "schedule" (RCPSP order of the
+    # concerto_jax.pipeline.PASS_TABLE: "decompose" (split the computation around
+    # critical collectives; put it before "schedule"), "schedule" (RCPSP order of the
     # program), "fuse_collectives" (merge fusible collectives into one,
     # fused size chosen by the cost model), "pin" (opt-barriers that keep each
     # collective's planned window through XLA's GPU scheduler). An empty tuple
@@ -61,6 +63,8 @@ class Options:
     # unchanged module runs JAX's own executable of the step (identical by
     # construction); True exercises our recompile path (tests, debugging).
     always_recompile: bool = False
+    # Settings of the "decompose" pass (degrees, context limits, joint search).
+    decompose: DecomposeOptions = DecomposeOptions()
 
     def __post_init__(self):
         from concerto_jax.pipeline import pass_names

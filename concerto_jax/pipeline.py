@@ -45,6 +45,7 @@ PASS_TABLE: dict[str, str] = {
     # exactly these names (plus any added at run time by ``register_pass``), and the
     # module is imported only when the pass runs (no pipeline <-> passes import cycle).
     "pipeline_loops": "concerto_jax.passes.pipeline_pass:pipeline_loops_pass",  # before schedule
+    "decompose": "concerto_jax.passes.decompose_pass:decompose_pass",
     "schedule": "concerto_jax.passes.schedule_pass:schedule_pass",
     "fuse_collectives": "concerto_jax.passes.fuse_pass:fuse_pass",
     "pin": "concerto_jax.passes.pin_pass:pin_pass",

@@ -5,6 +5,7 @@
 * ``pipeline_loops``: prefetch next iteration's FSDP all-gathers in scanned-layer
   loops where the schedule says it pays and the memory limit allows (run before
   ``schedule``).
+* ``decompose``: split the computation around critical collectives (Concerto §5).
 * ``fuse_collectives``: merge compatible collectives into variadic ones, fused sizes
   chosen by the cost model (Concerto §4.5, Algorithm 1).
 * ``pin``: opt-barriers around each collective's planned window, so XLA keeps the overlap.

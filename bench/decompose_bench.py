@@ -1,0 +1,183 @@
+"""Decomposition bench: stock XLA vs Concerto(S) vs Concerto(S+AD) on XLA's final module, plus the calibration.
+
+``run``: for each suite case (``bench.suite``), the train step is compiled
+deviceless for its cluster three ways through ``concerto_jax.compile_for_target``
+(stock XLA; passes ``schedule``; passes ``decompose, schedule``), and XLA's
+final module of each is simulated with one cost model (``TargetResult``).
+Windowed einsum is reported from ``bench/results/baseline.csv`` where the
+baseline bench measured it (it never changed XLA's module in jax 0.10.2).
+
+``calibrate``: micro-benchmarks on this machine (CPU) for the decomposition
+cost: the per-chunk overhead of a split matmul chain and the slowdown of a
+matmul while memory traffic (a stand-in for a collective's copies) runs beside
+it. Repeats are interleaved and minima taken (the machine is shared).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import os
+import threading
+import time
+
+log = logging.getLogger(__name__)
+
+COLUMNS = ("case", "cluster", "stock_us", "s_us", "sad_us", "s_gain", "sad_gain", "windowed_einsum",
+           "decomposed", "critical", "candidates", "joint", "status")
+
+
+def _min_time(fn, repeats: int) -> float:
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def calibrate(repeats: int = 15, out: str | None = None) -> dict:
+    """Measure the chunk overhead and the overlap slowdown on this machine (CPU); see module doc."""
+    import jax
+    import jax.numpy as jnp
+
+    dev0, dev1 = jax.devices()[0], jax.devices()[-1]
+    x = jax.device_put(jnp.ones((1024, 1024), jnp.float32), dev0)
+    w = jax.device_put(jnp.ones((1024, 1024), jnp.float32) * 1e-3, dev0)
+
+    def chain(v):
+        return jnp.tanh(v @ w) @ w
+
+    whole = jax.jit(chain)
+    split = {n: jax.jit(lambda v, n=n: jnp.concatenate([chain(c) for c in jnp.split(v, n)]))
+             for n in (2, 4)}
+    for f in [whole, *split.values()]:
+        f(x).block_until_ready()
+    t = {1: math.inf, 2: math.inf, 4: math.inf}
+    for _ in range(repeats):  # interleaved A/B/C, minima
+        t[1] = min(t[1], _min_time(lambda: whole(x).block_until_ready(), 1))
+        for n, f in split.items():
+            t[n] = min(t[n], _min_time(lambda f=f: f(x).block_until_ready(), 1))
+    overhead = {n: (t[n] - t[1]) / ((n - 1) * t[1]) for n in (2, 4)}
+
+    big = jax.device_put(jnp.ones((4096, 4096), jnp.float32), dev1)
+    copy = jax.jit(lambda a: a * 1.0001)
+    copy(big).block_until_ready()
+    stop = threading.Event()
+
+    def traffic():
+        while not stop.is_set():
+            copy(big).block_until_ready()
+
+    alone, beside = math.inf, math.inf
+    for _ in range(repeats):
+        alone = min(alone, _min_time(lambda: whole(x).block_until_ready(), 1))
+        stop.clear()
+        th = threading.Thread(target=traffic)
+        th.start()
+        time.sleep(0.005)
+        beside = min(beside, _min_time(lambda: whole(x).block_until_ready(), 1))
+        stop.set()
+        th.join()
+    result = {
+        "overlap_slowdown": max(1.0, beside / alone),
+        "chunk_overhead": max(0.0, max(overhead.values())),
+        "chunk_overhead_by_n": {str(n): round(v, 4) for n, v in overhead.items()},
+        "times_ms": {"whole": t[1] * 1e3, "split2": t[2] * 1e3, "split4": t[4] * 1e3,
+                     "matmul_alone": alone * 1e3, "matmul_beside_traffic": beside * 1e3},
+        "source": (f"python -m bench.cli decompose-calibrate --repeats {repeats}, CPU "
+                   f"({os.cpu_count()} cores, shared), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+                   "minima of interleaved repeats"),
+    }
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+def _windowed_einsum(case_name: str, path: str = "bench/results/baseline.csv") -> str:
+    if not os.path.exists(path):
+        return "not measured"
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            if row.get("case") == case_name:
+                we, stock = row.get("windowed_einsum_us") or row.get("windowed_us"), row.get("xla_us")
+                if we and stock and abs(float(we) - float(stock)) < 1e-6:
+                    return "= stock (no windowed loop)"
+                return we or "not measured"
+    return "not measured"
+
+
+def run_case(case) -> dict:
+    """One suite case: stock, S and S+AD on XLA's final module (simulated µs/step)."""
+    import concerto_jax
+    from bench.baseline import _config
+    from concerto_jax.costmodel import get_cluster
+    from concerto_jax.target import topology
+    from models.layouts import make_mesh
+    from models.registry import MODELS, make_case
+
+    cluster = get_cluster(case.cluster)
+    devices = sorted(topology(cluster).devices, key=lambda d: d.id)
+    mesh = make_mesh(case.layout, case.mesh_shape, devices=devices)
+    _, cfg = _config(MODELS[case.model], case)
+    c = make_case(case.model, case.layout, cfg, mesh=mesh)
+    xla = dict(case.xla_options)
+    row = {"case": case.name, "cluster": case.cluster}
+    results = {}
+    for label, passes in (("s", ("schedule",)), ("sad", ("decompose", "schedule"))):
+        opts = concerto_jax.Options(passes=passes, target=case.cluster, compiler_options=xla)
+        results[label] = concerto_jax.compile_for_target(c.step, c.abstract_state, c.abstract_batch,
+                                                         target=case.cluster, options=opts)
+    stock = results["s"].stock_step_us
+    row.update(stock_us=round(stock, 1), s_us=round(results["s"].final_step_us, 1),
+               sad_us=round(results["sad"].final_step_us, 1))
+    row["s_gain"] = round(stock / results["s"].final_step_us, 4)
+    row["sad_gain"] = round(stock / results["sad"].final_step_us, 4)
+    row["windowed_einsum"] = _windowed_einsum(case.name)
+    rec = {p["name"] if isinstance(p, dict) else p.name: (p["stats"] if isinstance(p, dict) else p.stats)
+           for p in results["sad"].passes}.get("decompose", {})
+    row["decomposed"] = "; ".join(f"{d['collective']} ax{d['axis']} N={d['n']} "
+                                  f"(+{d['predicted_gain_us']}us)" for d in rec.get("decomposed", [])) or "none"
+    row["critical"] = rec.get("critical", "")
+    row["candidates"] = rec.get("candidates", "")
+    row["joint"] = (f"{rec.get('baseline_us')}->{rec.get('joint_us')} ({rec.get('evaluations')} evals)"
+                    if "joint_us" in rec else "")
+    fb = results["sad"].fallback_reason or results["s"].fallback_reason
+    row["status"] = f"fallback: {fb[:100]}" if fb else "ok"
+    return row
+
+
+def run(cases, out_dir: str = "bench/results", prefix: str = "decompose") -> list[dict]:
+    """All cases, one row each (a failing case becomes an error row); writes CSV + markdown."""
+    rows = []
+    t0 = time.perf_counter()
+    for case in cases:
+        t = time.perf_counter()
+        try:
+            row = run_case(case)
+        except Exception as e:  # noqa: BLE001 - reported in the row
+            log.exception("%s failed", case.name)
+            row = dict.fromkeys(COLUMNS, "")
+            row.update(case=case.name, cluster=case.cluster, status=f"error: {type(e).__name__}: {str(e)[:100]}")
+        row["seconds"] = round(time.perf_counter() - t, 1)
+        rows.append(row)
+        log.info("%s", row)
+    os.makedirs(out_dir, exist_ok=True)
+    cols = list(COLUMNS) + ["seconds"]
+    with open(os.path.join(out_dir, f"{prefix}.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        w.writerows(rows)
+    gains = [r["sad_gain"] for r in rows if isinstance(r.get("sad_gain"), float)]
+    geo = math.exp(sum(math.log(g) for g in gains) / len(gains)) if gains else float("nan")
+    lines = [f"# Decomposition bench (simulated µs/step of XLA's final module, one cost model)\n",
+             f"Command: `python -m bench.cli decompose`; {time.perf_counter() - t0:.0f} s.\n",
+             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
+    lines.append(f"\nGeomean S+AD over stock: {geo:.4f} over {len(gains)} cases.")
+    with open(os.path.join(out_dir, f"{prefix}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return rows

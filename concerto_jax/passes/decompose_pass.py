@@ -1,0 +1,77 @@
+"""The ``decompose`` pass: split the computation around critical collectives (Concerto ASPLOS'25 §5).
+
+Finds the collectives that independent work cannot hide, grows each one's
+decomposition context along every axis the SPMD rules allow, predicts the
+gain of each degree, chooses by CP-SAT, revises the choice by scheduling and
+simulating the rewritten module (``DecomposeOptions.joint``), and rewrites
+the module (``hlo_passes.decompose_rewrite``). Run it before ``schedule``,
+which then places the chunks' collectives against each other's compute.
+
+Every split the rules allow keeps each output element's arithmetic, so the
+results are bitwise equal. A strategy whose rewrite fails (a rule could not
+prove the split safe for this instruction) is dropped with one warning and the
+rest of the module is still decomposed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+
+from concerto_jax.costmodel import CostModel, get_cluster
+from concerto_jax.decompose.choose import choose
+from concerto_jax.decompose.cost import CALIBRATION_FILE, Calibration
+from concerto_jax.decompose.options import DecomposeOptions
+from concerto_jax.decompose.search import apply, find_candidates, joint_revise
+from concerto_jax.pipeline import PassOutcome, register_pass
+from hlo_passes.errors import HloError
+
+log = logging.getLogger(__name__)
+
+
+class DecomposeWarning(UserWarning):
+    """A strategy was dropped because its rewrite could not be proven safe."""
+
+
+@register_pass("decompose")
+def decompose_pass(module, options) -> PassOutcome:
+    """Decompose ``module``'s critical collectives; see the module docstring."""
+    dopts = getattr(options, "decompose", None) or DecomposeOptions()
+    cost_model = CostModel(get_cluster(options.target))
+    calibration = Calibration.load(dopts.calibration_path or CALIBRATION_FILE)
+    found = find_candidates(module, cost_model, calibration, dopts)
+    if dopts.force_degree is not None:
+        forced = [dataclasses.replace(c, gain_us=1.0) for c in found.candidates
+                  if c.n == dopts.force_degree
+                  and (dopts.force_axis is None or c.axis == dopts.force_axis)]
+        chosen = choose(forced, time_limit_s=dopts.choice_time_limit_s)
+    else:
+        chosen = choose(found.candidates, time_limit_s=dopts.choice_time_limit_s)
+    joint_stats = {}
+    if dopts.joint and chosen and dopts.force_degree is None:
+        chosen, joint_stats = joint_revise(module, found, chosen, cost_model, calibration, dopts)
+    decomposed, dropped = [], []
+    for cand in chosen:
+        try:
+            decomposed.extend(apply(module, [cand], found.contexts))
+        except HloError as err:
+            dropped.append(f"{cand.collective} axis {cand.axis} N={cand.n}: {err}")
+    if dropped:
+        warnings.warn(f"decompose: {len(dropped)} strategies dropped (the rewrite could not be "
+                      f"proven safe); the rest of the module is optimised. First: {dropped[0]}",
+                      DecomposeWarning, stacklevel=2)
+    stats = {
+        "target": options.target,
+        "collectives": found.collectives,
+        "critical": found.critical,
+        "candidates": len(found.candidates),
+        "decomposed": decomposed,
+        "dropped": dropped,
+        "calibration": {"overlap_slowdown": calibration.overlap_slowdown,
+                        "chunk_overhead": calibration.chunk_overhead,
+                        "source": calibration.source},
+        **joint_stats,
+    }
+    log.info("decompose pass: %s", stats)
+    return PassOutcome(changed=bool(decomposed), stats=stats)
