@@ -136,14 +136,10 @@ def test_options_accept_exactly_the_registered_passes():
         concerto_jax.Options(passes="schedule")
 
 
-CASES = [("gpt", "dp_tp"), ("vit", "dp"),
-         pytest.param("evoformer", "dap", marks=pytest.mark.xfail(
-             strict=False, reason="open: schedule+fuse_collectives+pin together gave 1-ulp "
-             "differences in 2/16 elements of a LayerNorm bias (each pass alone is bitwise; "
-             "WORKSPACE_NOTES issue #12)"))]
+CASES = [("gpt", "dp_tp"), ("vit", "dp"), ("evoformer", "dap")]
 
 
-@pytest.mark.parametrize(("model", "layout"), CASES, ids=["gpt-dp_tp", "vit-dp", "evoformer-dap"])
+@pytest.mark.parametrize(("model", "layout"), CASES, ids=[f"{m}-{lay}" for m, lay in CASES])
 def test_every_accepted_pass_runs_on_models(model, layout):
     """All accepted names in one pipeline, no fallback, bitwise over two steps."""
     if (model, layout) not in models.list_cases():
