@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import importlib.util
 import logging
 import os
 import subprocess
@@ -60,8 +61,11 @@ def install(target: str | None = None) -> str:
 
 def discovered() -> bool:
     """Whether the plugin is importable without our directory (site-packages install, jax[cuda13])."""
-    return importlib.util.find_spec("jax_plugins") is not None and \
-        importlib.util.find_spec(PLUGIN_MODULE) is not None
+    try:
+        return importlib.util.find_spec("jax_plugins") is not None and \
+            importlib.util.find_spec(PLUGIN_MODULE) is not None
+    except (ImportError, ValueError):  # ValueError: sys.modules entry set to None
+        return False
 
 
 @contextlib.contextmanager
@@ -85,19 +89,23 @@ def ensure_registered() -> bool:
     """
     from jax._src import xla_bridge as xb
 
-    if "cuda" in xb._topology_factories:
-        return True
     if discovered():
-        xb._discover_and_register_pjrt_plugins()
-        if "cuda" in xb._topology_factories:
-            return True
+        if "cuda" not in xb._topology_factories:
+            xb._discover_and_register_pjrt_plugins()
+        return "cuda" in xb._topology_factories
     folder = plugin_dir()
     if not os.path.isdir(os.path.join(folder, *PLUGIN_MODULE.split("."))):
         return False
+    if "cuda" in xb._topology_factories:  # registered from the folder by an earlier call
+        return True
     if folder not in sys.path:
         sys.path.append(folder)  # after site-packages; only this process, after JAX started
     importlib.invalidate_caches()
-    module = importlib.import_module(PLUGIN_MODULE)
+    try:
+        module = importlib.import_module(PLUGIN_MODULE)
+    except ImportError as e:
+        log.warning("the CUDA plugin in %s does not import: %s", folder, e)
+        return False
     with _env("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1"):
         module.initialize()
     log.info("registered the CUDA plugin from %s for deviceless compiles", folder)
