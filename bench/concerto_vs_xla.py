@@ -259,7 +259,15 @@ def compare(before_text: str | None, final_text: str, cost_model, options: Conce
         step = simulate(g, res.events, fast_opts).step_time_us
         log.info("%s: Concerto(S) from %s order: evaluator %.1f us, simulated %.1f us (%s) in %.1fs",
                  label, name, res.makespan_us, step, res.source, res.wall_time_s)
+        if mem_limit is not None and model_peak(res.events) > mem_limit:
+            # A start order above XLA's peak (pre-LHS) can give a schedule above the limit.
+            log.info("%s: Concerto(S) from %s order is above the memory limit; not a candidate",
+                     label, name)
+            continue
         cands.append((step, f"{res.source} from {name}", res))
+    if not cands:  # XLA's own order is within the limit by definition
+        cands.append((xla.step_time_us, "xla (memory fallback)",
+                      dataclasses.replace(res, events=tuple(xla_events))))
     step, source, best = min(cands, key=lambda c: c[0])
     ours_events = tuple(best.events)
     if step > xla.step_time_us:

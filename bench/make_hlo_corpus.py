@@ -265,6 +265,9 @@ def capture_gpu(case: Case) -> dict[str, str]:
     """Final, before-LHS and after-LHS modules of a deviceless H100x8 compile."""
     from jax.experimental import topologies
 
+    from concerto_jax.target import require_gpu_plugin
+
+    require_gpu_plugin()  # registers the CUDA plugin where it lives (site-packages or private)
     topo = topologies.get_topology_desc(
         platform="cuda", topology_name="h100x8", topology="1x1x8",
         target_config=TARGET.read_text())

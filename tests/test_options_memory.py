@@ -67,7 +67,13 @@ def test_progress_is_quiet_unless_logging_is_on(caplog):
 
 
 def test_solver_and_odd_even_report_progress(caplog, monkeypatch):
-    from concerto_jax.scheduler import OddEvenOptions, SolverParams, odd_even, progress, solve_program
+    from concerto_jax.scheduler import (
+        OddEvenOptions,
+        SolverParams,
+        odd_even,
+        progress,
+        solve_program,
+    )
 
     monkeypatch.setattr(progress, "DEFAULT_EVERY_S", 0.0)  # a line per update
     g = prefetch_graph(layers=12)

@@ -21,7 +21,12 @@ from collections.abc import Mapping, Sequence
 
 from ortools.sat.python import cp_model
 
-from concerto_jax.scheduler.rcpsp import SchedulerError, SolverParams, make_solver, solution_callback
+from concerto_jax.scheduler.rcpsp import (
+    SchedulerError,
+    SolverParams,
+    make_solver,
+    solution_callback,
+)
 from concerto_jax.taskgraph import TaskGraph
 
 logger = logging.getLogger(__name__)

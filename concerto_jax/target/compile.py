@@ -40,14 +40,14 @@ def require_gpu_plugin() -> None:
     Raises:
       GpuPluginMissingError: with the command that installs it.
     """
-    try:
-        import jax_plugins.xla_cuda13  # noqa: F401
-    except ImportError as e:
+    from concerto_jax.target.cuda_plugin import ensure_registered
+
+    if not ensure_registered():  # site-packages install, or our private directory
         raise GpuPluginMissingError(
             "deviceless GPU compile needs the CUDA PJRT plugin, ptxas and libdevice: "
-            "install them with `pip install -e .[gpu]` (jax-cuda13-plugin, jax-cuda13-pjrt, "
-            "nvidia-cuda-nvcc, nvidia-nvvm at the jax version)"
-        ) from e
+            "install them with `pip install -e .[gpu]` (nvidia-cuda-nvcc, nvidia-nvvm) and "
+            "`python -m concerto_jax.target.cuda_plugin install` (jax-cuda13-pjrt and "
+            "jax-cuda13-plugin at the jax version, outside JAX's plugin discovery)")
 
 
 def gpu_plugin_available() -> bool:
