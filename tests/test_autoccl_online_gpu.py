@@ -10,17 +10,10 @@ import pytest
 from jax.sharding import Mesh
 
 from concerto_jax import autoccl
-from concerto_jax.autoccl import nccl_model, plugin
+from concerto_jax.autoccl import plugin
 from concerto_jax.autoccl.nccl_online import XLA_DEFAULT_COMBINE_THRESHOLD
-from concerto_jax.autoccl.step_model import ModelStep
 
-_RNG = np.random.default_rng(0)
-MODEL_CASES = [
-    ModelStep("gpt dp8 H100", nccl_model.H100_NVLINK_8, (4 << 20, 16 << 20, 16 << 20, 4 << 20) * 24, 0.060, 0.002, 0.3),
-    ModelStep("resnet dp16 A40", nccl_model.A40_PCIE_2x8, tuple(int(x) for x in _RNG.integers(8 << 10, 9 << 20, 160)), 0.120, 0.003, 0.3),
-    ModelStep("small mlp dp8 H100", nccl_model.H100_NVLINK_8, (256 << 10,) * 64, 0.004, 0.0005, 0.5),
-    ModelStep("bert dp16 A40", nccl_model.A40_PCIE_2x8, (9 << 20, 9 << 20, 36 << 20, 36 << 20) * 12, 0.150, 0.004, 0.5),
-]
+MODEL_CASES = autoccl.step_model.MODEL_STEPS
 MAX_STEPS = 250  # stated convergence budget (steps, warm-up and confirmation included)
 
 

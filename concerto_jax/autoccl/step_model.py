@@ -32,7 +32,7 @@ from concerto_jax.autoccl.buckets import plan_buckets
 from concerto_jax.autoccl.collectives import CollectiveKey, CollectiveSite, assign_keys
 from concerto_jax.autoccl.nccl_online import CHANNEL_GRID, key_space
 
-__all__ = ["ModelStep", "match_row"]
+__all__ = ["MODEL_STEPS", "ModelStep", "match_row"]
 
 _BASE = {"transport": "P2P", "nthreads": 512, "chunk_bytes": 512 * 1024}
 
@@ -143,3 +143,19 @@ class ModelStep:
             t = max(t_comm, self.backward_s) + self.optimizer_s
             best = min(best, (t, th))
         return best
+
+
+def _random_sizes(seed: int, n: int, lo: int, hi: int) -> tuple[int, ...]:
+    return tuple(int(x) for x in np.random.default_rng(seed).integers(lo, hi, n))
+
+
+# Modelled DP steps used by the tests and by ``bench/autoccl_bench.py --suite gpu-model``.
+MODEL_STEPS = (
+    ModelStep("gpt dp8 H100", nccl_model.H100_NVLINK_8, (4 << 20, 16 << 20, 16 << 20, 4 << 20) * 24,
+              0.060, 0.002, 0.3),
+    ModelStep("resnet dp16 A40", nccl_model.A40_PCIE_2x8, _random_sizes(0, 160, 8 << 10, 9 << 20),
+              0.120, 0.003, 0.3),
+    ModelStep("small mlp dp8 H100", nccl_model.H100_NVLINK_8, (256 << 10,) * 64, 0.004, 0.0005, 0.5),
+    ModelStep("bert dp16 A40", nccl_model.A40_PCIE_2x8, (9 << 20, 9 << 20, 36 << 20, 36 << 20) * 12,
+              0.150, 0.004, 0.5),
+)
