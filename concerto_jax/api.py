@@ -72,8 +72,9 @@ def _leaf_signature(x: Any) -> tuple:
 
 def _abstract(x: Any) -> Any:
     """A ShapeDtypeStruct standing for an array argument (keeps no buffer alive)."""
-    if isinstance(x, jax.Array):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
+    if isinstance(x, jax.Array):  # an uncommitted array stays unplaced (jit places it)
+        sharding = x.sharding if getattr(x, "_committed", True) else None
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding,
                                     weak_type=getattr(x, "weak_type", False))
     if isinstance(x, np.ndarray):
         return jax.ShapeDtypeStruct(x.shape, x.dtype)
