@@ -130,7 +130,7 @@ def test_default_options_are_bitwise_on_a_case_the_recompile_got_wrong():
     from models.registry import MODELS
 
     cfg = dataclasses.replace(MODELS["evoformer"].config("tiny"), dtype=jax.numpy.bfloat16)
-    case = models.make_case("evoformer", "dp", cfg, scan_layers=True, remat=True)
+    case = models.make_case("evoformer", "dp", cfg, materialize=True, scan_layers=True, remat=True)
     opt = concerto_jax.optimize(case.step)
     ref_state, got_state = case.init_state(0), case.init_state(0)
     # Reference through a separate compile of the same lowering (not the jit cache optimize
