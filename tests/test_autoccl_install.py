@@ -11,3 +11,4 @@ def test_plugin_built_at_install_and_loadable():
     assert plugin.ensure_built() == lib
     handle = ctypes.CDLL(lib)
     assert hasattr(handle, "ncclTunerPlugin_v3"), "the v3 tuner symbol must be exported"
+    assert hasattr(handle, "ncclTunerPlugin_v4"), "the v4 tuner symbol must be exported"

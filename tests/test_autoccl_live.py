@@ -48,7 +48,9 @@ def test_table_swapped_between_calls_is_used_by_the_next_call(built, tmp_path):
     answers.append(proc.stdout.readline().strip())
     plugin.write_table(_rows(16, "Ring", "LL128"), table)  # step 2's table
     answers.append(proc.stdout.readline().strip())
-    table.with_suffix(".bad").write_text("concerto-tuner-table 2\nallreduce 0 9 * * ring x 1\nend 1\n")
+    table.with_suffix(".bad").write_text(
+        "concerto-tuner-table 2\nallreduce 0 9 * * ring x 1\nend 1\n"
+    )
     os.replace(table.with_suffix(".bad"), table)  # a bad table: keep step 2's
     answers.append(proc.stdout.readline().strip())
     plugin.write_table(_rows(0, None, None) + _rows(2), table)  # first row: keep NCCL's choices
@@ -98,9 +100,10 @@ def test_per_collective_keys_type_size_class_nranks_occurrence(built, tmp_path):
         "rc=0 algo=ring proto=ll channels=1",
         "rc=0 algo=ring proto=ll channels=1",
     ]
-    assert ask(4, "allreduce", "3000", "allreduce", "3000") == [
-        "rc=0 algo=ring proto=simple channels=5"
-    ] * 2
+    assert (
+        ask(4, "allreduce", "3000", "allreduce", "3000")
+        == ["rc=0 algo=ring proto=simple channels=5"] * 2
+    )
 
 
 def test_concurrent_swaps_never_give_a_torn_or_invalid_answer(built, tmp_path):

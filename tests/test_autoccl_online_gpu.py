@@ -18,15 +18,21 @@ MAX_STEPS = 250  # stated convergence budget (steps, warm-up and confirmation in
 
 
 def _run_loop(case, noise=0.03, seed=1):
-    loop = autoccl.NcclTuningLoop(case.keys_for, autoccl.NcclLoopOptions(tuner=autoccl.TunerOptions(
-        warmup_steps=1, repeats=2, coordinate=False)))
+    loop = autoccl.NcclTuningLoop(
+        case.keys_for,
+        autoccl.NcclLoopOptions(
+            tuner=autoccl.TunerOptions(warmup_steps=1, repeats=2, coordinate=False)
+        ),
+    )
     rng = np.random.default_rng(seed)
     while True:
         cand = loop.next_candidate()
         if loop.frozen:
             return loop, cand
         assert cand.tuning and loop.steps < 2000
-        loop.report(case.step_time(cand.thresholds, cand.rows) * (1 + noise * rng.standard_normal()))
+        loop.report(
+            case.step_time(cand.thresholds, cand.rows) * (1 + noise * rng.standard_normal())
+        )
 
 
 @pytest.mark.parametrize("case", MODEL_CASES, ids=lambda c: c.name)
@@ -35,8 +41,10 @@ def test_online_loop_converges_within_5pct_of_exhaustive(case):
     tuned = case.step_time(final.thresholds, final.rows)
     default = case.step_time({"all-reduce": XLA_DEFAULT_COMBINE_THRESHOLD})
     opt, best_th = case.exhaustive_optimum(loop.options.thresholds)
-    print(f"{case.name}: {loop.steps} steps, default {default * 1e3:.2f} ms, tuned {tuned * 1e3:.2f} ms, "
-          f"exhaustive lower bound {opt * 1e3:.2f} ms (threshold {best_th}), tuned/opt {tuned / opt:.3f}")
+    print(
+        f"{case.name}: {loop.steps} steps, default {default * 1e3:.2f} ms, tuned {tuned * 1e3:.2f} ms, "
+        f"exhaustive lower bound {opt * 1e3:.2f} ms (threshold {best_th}), tuned/opt {tuned / opt:.3f}"
+    )
     assert not final.tuning and loop.frozen
     assert loop.steps <= MAX_STEPS
     assert tuned <= 1.05 * opt
@@ -61,17 +69,26 @@ def test_tuned_rows_reach_the_plugin(tmp_path):
     sizes = [nb for nb, _ in case.collectives(final.thresholds["all-reduce"])]
     env = {**os.environ, plugin.TABLE_ENV: table}
     q = [a for nb in sizes for a in ("allreduce", str(nb))]
-    out = subprocess.run([harness, lib, "v4", str(case.cluster.n_ranks), *q], capture_output=True,
-                         text=True, timeout=60, env=env)
+    out = subprocess.run(
+        [harness, lib, "v4", str(case.cluster.n_ranks), *q],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr
     seen = {}
     for nb, line in zip(sizes, out.stdout.splitlines()[1:], strict=True):
         cls = plugin.size_class(nb)
-        row = autoccl.step_model.match_row(final.rows, "all-reduce", nb, case.cluster.n_ranks, seen.get(cls, 0))
+        row = autoccl.step_model.match_row(
+            final.rows, "all-reduce", nb, case.cluster.n_ranks, seen.get(cls, 0)
+        )
         seen[cls] = seen.get(cls, 0) + 1
         algo = "default" if row is None or row.algorithm is None else row.algorithm.lower()
         ch = -1 if row is None or row.channels == 0 else row.channels
-        assert line.endswith(f"algo={algo} proto={'default' if algo == 'default' else row.protocol.lower()} channels={ch}")
+        assert line.endswith(
+            f"algo={algo} proto={'default' if algo == 'default' else row.protocol.lower()} channels={ch}"
+        )
 
 
 def test_keys_from_compiled_hlo_with_repeated_sizes():
@@ -95,7 +112,9 @@ def test_keys_from_compiled_hlo_with_repeated_sizes():
 
 
 def test_command_buffer_options_and_store_record(tmp_path):
-    tuning = autoccl.command_buffer_options({"xla_gpu_enable_command_buffer": "FUSION,COLLECTIVES", "x": 1})
+    tuning = autoccl.command_buffer_options(
+        {"xla_gpu_enable_command_buffer": "FUSION,COLLECTIVES", "x": 1}
+    )
     assert tuning == {"xla_gpu_enable_command_buffer": "FUSION", "x": 1}
     assert "COLLECTIVES" not in autoccl.command_buffer_options()["xla_gpu_enable_command_buffer"]
     assert autoccl.command_buffer_options({"x": 1}, tuning=False) == {"x": 1}  # user's setting back
@@ -110,12 +129,19 @@ def test_command_buffer_options_and_store_record(tmp_path):
 def test_tuning_compiler_options_accepted_by_xla_gpu():
     """The tuning-phase options (command buffers without collectives + a threshold) are valid XLA:GPU
     options for jaxlib's compiler (deviceless compile; no GPU needed)."""
-    from concerto_jax.target import CompileOptions, compile_for_target, gpu_plugin_available, target_mesh
+    from concerto_jax.target import (
+        CompileOptions,
+        compile_lowered,
+        gpu_plugin_available,
+        target_mesh,
+    )
 
     if not gpu_plugin_available():
         pytest.skip("CUDA plugin for deviceless compiles not installed")
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     from concerto_jax.costmodel import get_cluster
-    from jax.sharding import NamedSharding, PartitionSpec as P
 
     cl = get_cluster("h100_sxm_8")
     mesh = target_mesh(cl, (8,), ("dp",))
@@ -130,7 +156,8 @@ def test_tuning_compiler_options_accepted_by_xla_gpu():
     for th in (0, 1 << 30):
         opts = autoccl.command_buffer_options()
         opts.update(autoccl.gpu_combine_threshold_options({"all-reduce": th}))
-        tc = compile_for_target(f, ([w, w], x), cl, options=CompileOptions(extra=tuple(opts.items()), dump_lhs=False))
+        lowered = jax.jit(f).trace([w, w], x).lower()
+        tc = compile_lowered(lowered, cl, CompileOptions(extra=tuple(opts.items()), dump_lhs=False))
         texts[th] = tc.final_text
     n = {th: len(autoccl.collective_sites(t)) for th, t in texts.items()}
     assert n[0] == 2 and n[1 << 30] == 1  # the threshold is what decides the bucket count

@@ -38,15 +38,15 @@ References:
 """
 
 from concerto_jax.autoccl import nccl_model, plugin, step_model
+from concerto_jax.autoccl.buckets import Bucket, plan_buckets
 from concerto_jax.autoccl.collectives import (
     CollectiveKey,
     CollectiveSite,
     assign_keys,
     collective_sites,
 )
-from concerto_jax.autoccl.gpu_step import OnlineNccl, enable_plugin
-from concerto_jax.autoccl.buckets import Bucket, plan_buckets
 from concerto_jax.autoccl.dp_step import compile_dp_step, count_all_reduces, make_dp_step
+from concerto_jax.autoccl.gpu_step import OnlineNccl, enable_plugin
 from concerto_jax.autoccl.knobs import (
     command_buffer_options,
     cpu_compiler_options,

@@ -93,9 +93,7 @@ def collective_sites(hlo_text: str) -> list[CollectiveSite]:
             nranks = len(groups[0]) if groups and groups[0] else None
             in_bytes = sum(op.shape.byte_size for op in inst.operands)
             nbytes = in_bytes * (nranks or 1) if kind == "all-gather" else in_bytes
-            out.append(
-                CollectiveSite(kind, int(nbytes), nranks, str(groups), comp is entry)
-            )
+            out.append(CollectiveSite(kind, int(nbytes), nranks, str(groups), comp is entry))
     return out
 
 

@@ -49,7 +49,9 @@ def enable_plugin(table: str | os.PathLike[str] | None = None) -> str:
     Call before the first collective runs. Returns the table path (created with no rule:
     NCCL's own choices until the tuner writes one).
     """
-    table = os.fspath(table or os.path.join(tempfile.gettempdir(), f"concerto-nccl-{os.getpid()}.txt"))
+    table = os.fspath(
+        table or os.path.join(tempfile.gettempdir(), f"concerto-nccl-{os.getpid()}.txt")
+    )
     if not os.path.exists(table):
         plugin.write_table([], table)
     os.environ.update(plugin.plugin_env(plugin.ensure_built(), table))
@@ -72,10 +74,10 @@ class OnlineNccl:
         step: Callable,
         store: str | os.PathLike[str] | None = None,
         table: str | os.PathLike[str] | None = None,
-        options: NcclLoopOptions = NcclLoopOptions(),
+        options: NcclLoopOptions | None = None,
         compiler_options: Mapping[str, Any] | None = None,
     ):
-        self.step, self.options = step, options
+        self.step, self.options = step, options or NcclLoopOptions()
         self.user_options = dict(compiler_options or {})
         self.table = enable_plugin(table)
         self.store = TuningStore(store) if store is not None else None
@@ -117,7 +119,9 @@ class OnlineNccl:
             self.loop = NcclTuningLoop(self._keys_for, self.options)
             if self.store is not None and (rec := self.store.get_record(self._signature())):
                 rows = tuple(
-                    plugin.TableRow(**{**r, "occurrence": r["occurrence"] and tuple(r["occurrence"])})
+                    plugin.TableRow(
+                        **{**r, "occurrence": r["occurrence"] and tuple(r["occurrence"])}
+                    )
                     for r in rec["rows"]
                 )
                 self._final = Candidate(dict(rec["thresholds"]), rows, False)

@@ -60,7 +60,15 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 XLA_DEFAULT_COMBINE_THRESHOLD = 30 * 1024 * 1024  # XLA:GPU default for all three kinds
-ALGO_PROTOS = ("nccl", "Ring/LL", "Ring/LL128", "Ring/Simple", "Tree/LL", "Tree/LL128", "Tree/Simple")
+ALGO_PROTOS = (
+    "nccl",
+    "Ring/LL",
+    "Ring/LL128",
+    "Ring/Simple",
+    "Tree/LL",
+    "Tree/LL128",
+    "Tree/Simple",
+)
 CHANNEL_GRID = (0, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64)  # 0 = NCCL's channel count
 
 
@@ -208,12 +216,16 @@ class NcclTuningLoop:
     def final(self) -> Candidate:
         """The frozen candidate (meaningful once ``frozen``)."""
         if self._keep_default:
-            return Candidate({k: XLA_DEFAULT_COMBINE_THRESHOLD for k in self.options.kinds}, (), False)
+            return Candidate(
+                {k: XLA_DEFAULT_COMBINE_THRESHOLD for k in self.options.kinds}, (), False
+            )
         return Candidate(dict(self.thresholds), tuple(rows_for(self.configs, self.keys)), False)
 
     def _start_confirm(self) -> None:
         tuned = dataclasses.replace(self.final, tuning=True)
-        default = Candidate({k: XLA_DEFAULT_COMBINE_THRESHOLD for k in self.options.kinds}, (), True)
+        default = Candidate(
+            {k: XLA_DEFAULT_COMBINE_THRESHOLD for k in self.options.kinds}, (), True
+        )
         if self.options.confirm_steps <= 0 or tuned == default:
             self.stage = "frozen"
             return
@@ -236,7 +248,9 @@ class NcclTuningLoop:
             )
         if self._coordinate:
             choice = SearchSpace(strategy=(Choice("keep_default", (False, True)),))
-            cfg, _ = coordination.broadcast_decision(choice, Config(keep_default=keep_default), True)
+            cfg, _ = coordination.broadcast_decision(
+                choice, Config(keep_default=keep_default), True
+            )
             keep_default = cfg["keep_default"]
         self._keep_default = keep_default
         self.stage = "frozen"

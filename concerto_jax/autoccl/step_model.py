@@ -137,7 +137,9 @@ class ModelStep:
                             a, p = (None, None) if ap == "nccl" else ap.split("/")
                             row = plugin.TableRow("all-reduce", 0, plugin.MAX_BYTES, a, p, ch)
                         durs.append(
-                            self.comm_time(nbytes, self._config(row, nbytes), ready < self.backward_s)
+                            self.comm_time(
+                                nbytes, self._config(row, nbytes), ready < self.backward_s
+                            )
                         )
                 t_comm = max(t_comm, ready) + min(durs)
             t = max(t_comm, self.backward_s) + self.optimizer_s
@@ -151,11 +153,31 @@ def _random_sizes(seed: int, n: int, lo: int, hi: int) -> tuple[int, ...]:
 
 # Modelled DP steps used by the tests and by ``bench/autoccl_bench.py --suite gpu-model``.
 MODEL_STEPS = (
-    ModelStep("gpt dp8 H100", nccl_model.H100_NVLINK_8, (4 << 20, 16 << 20, 16 << 20, 4 << 20) * 24,
-              0.060, 0.002, 0.3),
-    ModelStep("resnet dp16 A40", nccl_model.A40_PCIE_2x8, _random_sizes(0, 160, 8 << 10, 9 << 20),
-              0.120, 0.003, 0.3),
-    ModelStep("small mlp dp8 H100", nccl_model.H100_NVLINK_8, (256 << 10,) * 64, 0.004, 0.0005, 0.5),
-    ModelStep("bert dp16 A40", nccl_model.A40_PCIE_2x8, (9 << 20, 9 << 20, 36 << 20, 36 << 20) * 12,
-              0.150, 0.004, 0.5),
+    ModelStep(
+        "gpt dp8 H100",
+        nccl_model.H100_NVLINK_8,
+        (4 << 20, 16 << 20, 16 << 20, 4 << 20) * 24,
+        0.060,
+        0.002,
+        0.3,
+    ),
+    ModelStep(
+        "resnet dp16 A40",
+        nccl_model.A40_PCIE_2x8,
+        _random_sizes(0, 160, 8 << 10, 9 << 20),
+        0.120,
+        0.003,
+        0.3,
+    ),
+    ModelStep(
+        "small mlp dp8 H100", nccl_model.H100_NVLINK_8, (256 << 10,) * 64, 0.004, 0.0005, 0.5
+    ),
+    ModelStep(
+        "bert dp16 A40",
+        nccl_model.A40_PCIE_2x8,
+        (9 << 20, 9 << 20, 36 << 20, 36 << 20) * 12,
+        0.150,
+        0.004,
+        0.5,
+    ),
 )
