@@ -38,6 +38,8 @@ def test_critical_rule_counts_only_independent_compute():
     assert find_critical(_graph(100.0)) == []  # e covers it
     (rec,) = find_critical(_graph(100.0), only_critical=False)
     assert not rec.critical and rec.exposed_us == 0.0
+    (rec,) = find_critical(_graph(0.0), launch_us=2.0)  # c counts 5 - 2 µs without its launch
+    assert rec.independent_compute_us == pytest.approx(3.0)
 
 
 def test_choice_respects_one_per_collective_and_shared_ops():
