@@ -9,6 +9,9 @@ import dataclasses
 class DecomposeOptions:
     """How the ``decompose`` pass searches and judges strategies."""
 
+    # Count independent compute without per-kernel launch overhead in the critical rule
+    # (the unfused graph's small ops fuse on the GPU; see critical.find_critical).
+    fused_slack: bool = True
     # Degrees tried per context: powers of two up to this (bounded by the shape).
     max_degree: int = 8
     # Members per side of a context (BFS limit).

@@ -74,7 +74,8 @@ def find_candidates(module, cost_model, calibration: Calibration,
     found = Found([], {})
     for comp in computations_to_search(module, options):
         hg = build_taskgraph(_view(module, comp), cost_model)
-        crits = find_critical(hg.graph, only_critical=False)
+        launch = cost_model.options.compute.launch_overhead_us if options.fused_slack else 0.0
+        crits = find_critical(hg.graph, only_critical=False, launch_us=launch)
         found.collectives += len(crits)
         for rec in crits:
             found.critical += rec.critical

@@ -1,0 +1,134 @@
+"""The decompose pass's deciding side: critical rule, context BFS limits, CP-SAT choice, joint
+revision, fallback warning."""
+
+import json
+import os
+import warnings
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import hlo_passes
+from concerto_jax.decompose import Candidate, axis_map, build_context, choose, find_critical
+from concerto_jax.decompose.options import DecomposeOptions
+from concerto_jax.taskgraph import CollectiveInfo, Task, TaskGraph, TaskKind
+from hlo_passes.decompose_rewrite import split_instructions
+from hlo_passes.errors import HloError
+from tests.test_decompose_rules import CASES, _module
+
+
+def _graph(extra_independent_us: float) -> TaskGraph:
+    tasks = [Task("a", TaskKind.COMPUTE, 10.0),
+             Task("d", TaskKind.COLLECTIVE, 30.0, stream=1, collective=CollectiveInfo("all-reduce", 1, 8)),
+             Task("b", TaskKind.COMPUTE, 10.0),
+             Task("c", TaskKind.COMPUTE, 5.0),
+             Task("e", TaskKind.COMPUTE, extra_independent_us)]
+    return TaskGraph(tasks, [(), (0,), (1,), (), ()])
+
+
+def test_critical_rule_counts_only_independent_compute():
+    (rec,) = find_critical(_graph(0.0))
+    assert rec.name == "d" and rec.critical
+    assert rec.independent_compute_us == pytest.approx(5.0)  # c and e; a, b depend on d
+    assert rec.exposed_us == pytest.approx(25.0)
+    assert find_critical(_graph(100.0)) == []  # e covers it
+    (rec,) = find_critical(_graph(100.0), only_critical=False)
+    assert not rec.critical and rec.exposed_us == 0.0
+    (rec,) = find_critical(_graph(0.0), launch_us=2.0)  # c counts 5 - 2 µs without its launch
+    assert rec.independent_compute_us == pytest.approx(3.0)
+
+
+def test_choice_respects_one_per_collective_and_shared_ops():
+    a = Candidate("x", 0, 2, 5.0, frozenset({"p", "q"}))
+    b = Candidate("y", 0, 2, 4.0, frozenset({"q", "r"}))  # shares q with a
+    c = Candidate("y", 1, 4, 3.0, frozenset({"s"}))
+    d = Candidate("x", 1, 2, 1.0, frozenset({"t"}))  # same collective as a
+    chosen = choose([a, b, c, d])
+    assert set(chosen) == {a, c}
+    assert choose([Candidate("x", 0, 2, -1.0, frozenset())]) == []
+
+
+def test_context_stops_where_the_rule_does_not_split():
+    params, body, out, _ = CASES["layernorm"]
+    text = _module(params, body, out)
+    comp = hlo_passes.parse_module(text).entry
+    y = comp.instruction("y")
+    rows = build_context(y, 0, lambda i: 1.0)  # the row axis passes the rsqrt of the variance
+    assert {"y", "out", "rb", "rs"} <= rows.members()
+    assert "xc" not in rows.members()  # also used by %sq outside: a concat would undo the split
+    hidden = build_context(y, 1, lambda i: 1.0)  # the hidden axis: the variance is reduced over it
+    assert "rs" not in hidden.members() and "out" in hidden.members()
+    assert hidden.plans[comp.instruction("rb")].replicable  # broadcast of the whole rsqrt
+    assert sorted(axis_map(comp.instruction("rsum"))) == [0]  # reduce over dim 1 keeps dim 0
+    params, body, out, _ = CASES["all_reduce_matmul"]
+    comp = hlo_passes.parse_module(_module(params, body, out)).entry
+    ctx = build_context(comp.instruction("ar"), 1, lambda i: 1.0)
+    dot_plan = ctx.plans[comp.instruction("dot")]
+    assert dot_plan.operand_dims == (None, 1)  # rhs free dim: the weight is cut, lhs whole
+    limited = build_context(comp.instruction("ar"), 0, lambda i: 1.0, cover_us=0.5)
+    assert len(limited.pre) == 1 and len(limited.post) == 1  # stops once each side covers
+
+
+def test_rewrite_rejects_a_degree_that_does_not_divide():
+    params, body, out, _ = CASES["all_reduce_matmul"]
+    module = hlo_passes.parse_module(_module(params, body, out))
+    ctx = build_context(module.entry.instruction("ar"), 0, lambda i: 0.0)
+    with pytest.raises(HloError, match="does not divide"):
+        split_instructions(module.entry, ctx.plans, 3, lambda: 99)
+
+
+def test_fallback_warns_once_and_leaves_the_module(monkeypatch):
+    from concerto_jax import Options
+    from concerto_jax.passes import decompose_pass as dp
+
+    params, body, out, _ = CASES["all_reduce_matmul"]
+    text = _module(params, body, out).replace("replica_count=8", "num_partitions=8")
+    module = hlo_passes.parse_module(text)
+
+    def broken(*a, **k):
+        raise HloError("rule cannot prove the split safe")
+
+    monkeypatch.setattr(dp, "apply", broken)
+    opts = Options(decompose=DecomposeOptions(force_degree=2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outcome = dp.decompose_pass(module, opts)
+    ours = [w for w in caught if issubclass(w.category, dp.DecomposeWarning)]
+    assert len(ours) == 1 and not outcome.changed and outcome.stats["dropped"]
+    assert hlo_passes.module_to_text(module) == hlo_passes.module_to_text(hlo_passes.parse_module(text))
+
+
+def test_joint_revision_drops_a_split_the_simulated_schedule_rejects(tmp_path):
+    """Forward TP MLP, comm-heavy: Eq. 1-3 predict a gain, the simulated schedule of the
+    rewritten module does not; the joint stage must keep the faster (unsplit) program."""
+    from concerto_jax import Options
+    from concerto_jax.capture import capture
+    from concerto_jax.passes.decompose_pass import decompose_pass
+
+    mesh = jax.make_mesh((8,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
+    rep, col, row = (NamedSharding(mesh, s) for s in (P(), P(None, "tp"), P("tp", None)))
+
+    @partial(jax.jit, in_shardings=(col, row, col, row, rep), out_shardings=rep)
+    def fwd(w1, w2, w3, w4, x):
+        y = jnp.tanh(x @ w1) @ w2 + x
+        return jnp.tanh(y @ w3) @ w4 + y
+
+    args = (jax.ShapeDtypeStruct((1024, 8192), jnp.float32, sharding=col),
+            jax.ShapeDtypeStruct((8192, 1024), jnp.float32, sharding=row)) * 2 + (
+            jax.ShapeDtypeStruct((4096, 1024), jnp.float32, sharding=rep),)
+    args = [jnp.zeros(a.shape, a.dtype, device=a.sharding) for a in args]
+    module = hlo_passes.parse_module(capture(fwd, tuple(args)).hlo_text)
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"overlap_slowdown": 1.0, "chunk_overhead": 0.0, "source": "test"}))
+    opts = Options(target="h100_sxm_8", decompose=DecomposeOptions(calibration_path=os.fspath(cal)))
+    outcome = decompose_pass(module, opts)
+    s = outcome.stats
+    assert s["critical"] >= 1 and s["candidates"] >= 1
+    assert "joint_us" in s, "a positive predicted gain must reach the joint stage"
+    assert s["joint_us"] <= min(s["baseline_us"], s["first_choice_us"]) + 1e-6
+    if s["first_choice_us"] > s["baseline_us"]:
+        assert not outcome.changed and s["decomposed"] == []
