@@ -173,7 +173,7 @@ def run(cases, out_dir: str = "bench/results", prefix: str = "decompose") -> lis
         w.writerows(rows)
     gains = [r["sad_gain"] for r in rows if isinstance(r.get("sad_gain"), float)]
     geo = math.exp(sum(math.log(g) for g in gains) / len(gains)) if gains else float("nan")
-    lines = [f"# Decomposition bench (simulated µs/step of XLA's final module, one cost model)\n",
+    lines = ["# Decomposition bench (simulated µs/step of XLA's final module, one cost model)\n",
              f"Command: `python -m bench.cli decompose`; {time.perf_counter() - t0:.0f} s.\n",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]

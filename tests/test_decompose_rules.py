@@ -8,10 +8,9 @@ verified, accepted by XLA's parser, and run on the same inputs; outputs must
 be bitwise equal except where stated (see ``_TOLERANT``).
 """
 
+import jax
 import numpy as np
 import pytest
-
-import jax
 
 import hlo_passes
 from concerto_jax.decompose import axis_map, build_context

@@ -4,6 +4,7 @@ import os
 
 import pytest
 
+from bench.psplib_bench import psplib_root
 from concerto_jax.scheduler import (
     RcpspInstance,
     SolverParams,
@@ -12,8 +13,6 @@ from concerto_jax.scheduler import (
     load_psplib,
     solve_rcpsp,
 )
-
-from bench.psplib_bench import psplib_root
 
 ROOT = psplib_root()  # $PSPLIB_ROOT, else ../shared/psplib next to the repository
 pytestmark = pytest.mark.skipif(not os.path.isdir(ROOT), reason="PSPLIB data not available")

@@ -24,7 +24,7 @@ import types
 import hlo_passes
 from concerto_jax import scheduler
 from concerto_jax.decompose import rules
-from concerto_jax.decompose.choose import Candidate, choose
+from concerto_jax.decompose.choose import Candidate
 from concerto_jax.decompose.context import build_context
 from concerto_jax.decompose.cost import Calibration, strategy_cost
 from concerto_jax.decompose.critical import find_critical

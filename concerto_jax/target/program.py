@@ -31,7 +31,12 @@ import time
 import warnings
 from collections.abc import Sequence
 
-from concerto_jax.target.compile import CompileOptions, _read_dump, compile_lowered, require_gpu_plugin
+from concerto_jax.target.compile import (
+    CompileOptions,
+    _read_dump,
+    compile_lowered,
+    require_gpu_plugin,
+)
 
 log = logging.getLogger(__name__)
 
