@@ -30,6 +30,8 @@ def test_clusters_registry():
 
 def test_missing_plugin_message(monkeypatch):
     monkeypatch.setitem(sys.modules, "jax_plugins.xla_cuda13", None)
+    # Earlier tests may have registered the plugin from its private directory: simulate absence.
+    monkeypatch.setattr("concerto_jax.target.cuda_plugin.ensure_registered", lambda: False)
     with pytest.raises(GpuPluginMissingError, match=r"pip install -e \.\[gpu\]"):
         require_gpu_plugin()
 

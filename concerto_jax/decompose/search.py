@@ -38,7 +38,10 @@ log = logging.getLogger(__name__)
 def _view(module, comp):
     """A module-like view whose entry is ``comp`` (the task graph of one computation)."""
     return types.SimpleNamespace(entry=comp, num_devices=module.num_devices,
-                                 name=f"{module.name}/{comp.name}")
+                                 name=f"{module.name}/{comp.name}",
+                                 # the whole module's: a loop body's graph looks up its while
+                                 instructions=module.instructions,
+                                 computation=module.computation)
 
 
 def computations_to_search(module, options: DecomposeOptions) -> list:
