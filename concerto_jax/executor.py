@@ -110,6 +110,19 @@ def compensate_round_trip(hlo_text: str, platform: str) -> str:
     return hlo_passes.module_to_text(module)
 
 
+def replicated_compile_options(devices) -> xc.CompileOptions:
+    """``CompileOptions`` of a per-device module run as ``len(devices)`` replicas, replica i on ``devices[i]``."""
+    n = len(devices)
+    opts = xc.CompileOptions()
+    build = opts.executable_build_options
+    build.num_replicas = n
+    build.num_partitions = 1
+    build.use_spmd_partitioning = False
+    build.device_assignment = xc.DeviceAssignment.create(
+        np.array([d.id for d in devices], dtype=np.int64).reshape(n, 1))
+    return opts
+
+
 def compile_replicated(hlo_text: str, device_list, *,
                        compiler_options: Mapping[str, Any] | None = None,
                        host_callbacks: Sequence[Any] = ()):
@@ -141,14 +154,7 @@ def compile_replicated(hlo_text: str, device_list, *,
     module = parse_with_xla(compensate_round_trip(hlo_text, devices[0].platform))
     mlir = _jax.mlir.hlo_to_stablehlo(module.as_serialized_hlo_module_proto())
     mlir = _mark_donors(mlir, donated_parameters(hlo_text))
-    n = len(devices)
-    opts = xc.CompileOptions()
-    build = opts.executable_build_options
-    build.num_replicas = n
-    build.num_partitions = 1
-    build.use_spmd_partitioning = False
-    build.device_assignment = xc.DeviceAssignment.create(
-        np.array([d.id for d in devices], dtype=np.int64).reshape(n, 1))
+    opts = replicated_compile_options(devices)
     for key, value in (compiler_options or {}).items():
         opts.env_option_overrides = list(opts.env_option_overrides) + [(key, value)]
     client = devices[0].client

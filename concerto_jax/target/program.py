@@ -126,25 +126,17 @@ def compile_replicated_for_target(hlo_text: str, devices: Sequence, compiler_opt
     Returns:
       ``(final module text, before-LHS text or None, compile seconds)``.
     """
-    import numpy as np
     from jax._src.interpreters import mlir as jax_mlir
     from jax._src.lib import _jax
     from jax._src.lib import xla_client as xc
     from jax._src.lib.mlir import ir
 
-    from concerto_jax.executor import parse_with_xla
+    from concerto_jax.executor import parse_with_xla, replicated_compile_options
 
     devices = tuple(devices)
-    n = len(devices)
     module = parse_with_xla(_copy_to_reshape(hlo_text))
     mlir = _jax.mlir.hlo_to_stablehlo(module.as_serialized_hlo_module_proto())
-    opts = xc.CompileOptions()
-    build = opts.executable_build_options
-    build.num_replicas = n
-    build.num_partitions = 1
-    build.use_spmd_partitioning = False
-    build.device_assignment = xc.DeviceAssignment.create(
-        np.array([d.id for d in devices], dtype=np.int64).reshape(n, 1))
+    opts = replicated_compile_options(devices)
     with tempfile.TemporaryDirectory(prefix="concerto_target_") as d:
         env = dict(compiler_options or {})
         env.update({"xla_dump_to": d, "xla_dump_hlo_pass_re": "latency-hiding-scheduler"})
