@@ -354,12 +354,29 @@ def _platform_of(args: tuple, kwargs: dict) -> str:
 
 
 def _dump(directory: str, name: str, captured: str, emitted: str) -> None:
+    """Write the captured module, the emitted one and its scheduled form (async start/done pairs).
+
+    The scheduled form (``hlo_passes.emit.emit_scheduled``: ``is_scheduled=true``, each
+    computation's order is its schedule, every collective a start/done pair at its planned
+    position) is what a GPU compiler is handed; XLA:CPU runs the emitted module, which has
+    no async collectives. A scheduled form that cannot be made is logged, not raised: the
+    dump is a diagnostic and must not fail the step.
+    """
     os.makedirs(directory, exist_ok=True)
     stamp = f"{name}.{int(time.time() * 1000)}"
     with open(os.path.join(directory, f"{stamp}.captured.hlo.txt"), "w") as f:
         f.write(captured)
     with open(os.path.join(directory, f"{stamp}.emitted.hlo.txt"), "w") as f:
         f.write(emitted)
+    try:
+        from hlo_passes.emit import emit_scheduled
+
+        scheduled = emit_scheduled(emitted)
+    except Exception as e:  # noqa: BLE001 - diagnostics only
+        log.warning("dump_dir: no scheduled form of %s: %s", name, e)
+        return
+    with open(os.path.join(directory, f"{stamp}.scheduled.hlo.txt"), "w") as f:
+        f.write(scheduled)
 
 
 def optimize(fn: Callable | None = None, options: Options | None = None):

@@ -38,7 +38,8 @@ class Options:
     # and run the original step. False re-raises instead (for debugging/tests).
     fallback: bool = True
     # If set, write the captured and the emitted HLO text of every compiled
-    # signature into this directory.
+    # signature into this directory, with the emitted module's scheduled form
+    # (is_scheduled=true, async collective start/done pairs at planned positions).
     dump_dir: str | None = None
     # Target cluster whose cost model drives the passes (a name from
     # concerto_jax.costmodel.CLUSTERS, e.g. "h100_sxm_8", "h100_sxm_2x8").

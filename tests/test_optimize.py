@@ -205,3 +205,20 @@ def test_default_options_follow_the_backend_of_the_arguments():
     assert GPU_PLAN_PASSES == ("schedule", "pin")
     step = concerto_jax.optimize(jax.jit(lambda a: a * 2))
     assert bool((step(x) == x * 2).all()) and step.options.passes == ()
+
+
+def test_dump_dir_writes_captured_emitted_and_scheduled_modules(tmp_path):
+    mesh = _mesh()
+    step, make_args = _mlp_step(mesh)
+    opt = concerto_jax.optimize(step, concerto_jax.Options(
+        passes=("schedule",), always_recompile=True, fallback=False, dump_dir=str(tmp_path)))
+    opt(*make_args())
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert [n.split(".", 2)[-1] for n in names] == [
+        "captured.hlo.txt", "emitted.hlo.txt", "scheduled.hlo.txt"], names
+    scheduled = next(p for p in tmp_path.iterdir() if p.name.endswith("scheduled.hlo.txt")).read_text()
+    assert "is_scheduled=true" in scheduled
+    assert "all-reduce-start" in scheduled and "all-reduce-done" in scheduled
+    from hlo_passes.xla import xla_parse
+
+    xla_parse(scheduled)  # XLA's own parser accepts what we hand a GPU compiler
