@@ -335,10 +335,10 @@ def hlo_proto_to_text(proto: bytes) -> str:
 
 
 def spmd_compile_options(num_partitions: int, compiler_options: dict | None = None,
-                         *, num_replicas: int = 1) -> bytes:
+                         *, num_replicas: int = 1, device_ids=None) -> bytes:
     """Serialized ``CompileOptions`` of a post-SPMD per-device module of ``num_partitions``
-    partitions (what JAX's jit asks for, device assignment 0..n-1), with ``compiler_options``
-    as XLA environment overrides (``xla_dump_to``, ...)."""
+    partitions (what JAX's jit asks for; device assignment ``device_ids``, default 0..n-1),
+    with ``compiler_options`` as XLA environment overrides (``xla_dump_to``, ...)."""
     import numpy as np
     from jax._src.lib import xla_client as xc
 
@@ -348,7 +348,8 @@ def spmd_compile_options(num_partitions: int, compiler_options: dict | None = No
     build.num_partitions = num_partitions
     build.use_spmd_partitioning = num_partitions > 1
     build.device_assignment = xc.DeviceAssignment.create(
-        np.arange(num_replicas * num_partitions, dtype=np.int64).reshape(num_replicas, num_partitions))
+        (np.arange(num_replicas * num_partitions, dtype=np.int64) if device_ids is None
+         else np.asarray(device_ids, dtype=np.int64)).reshape(num_replicas, num_partitions))
     if compiler_options:
         opts.env_option_overrides = list(compiler_options.items())
     return opts.SerializeAsString()
