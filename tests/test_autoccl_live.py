@@ -21,7 +21,11 @@ def built(tmp_path_factory):
 
 
 def _env(table):
-    env = {k: v for k, v in os.environ.items() if k not in (plugin.TABLE_ENV, plugin.POLL_ENV)}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in (plugin.TABLE_ENV, plugin.POLL_ENV, plugin.RACY_ENV)
+    }
     env[plugin.TABLE_ENV] = str(table)
     return env
 
@@ -163,7 +167,8 @@ def test_concurrent_swaps_under_sanitizers(tmp_path, kind):
 def test_in_place_writer_partial_or_mixed_file_keeps_last_good_with_one_warning(built, tmp_path):
     """An in-place writer (no rename): its half-way state, the first half of the new table over
     the old one (old end line and rule count still there), is rejected by the checksum; read again
-    while the file is recent, it warns only once; the finished file is picked up."""
+    while the file is recent ("racy": its identity may not change on the next write), the same
+    bytes warn only once; the finished file is picked up."""
     lib, harness, _ = built
     table = tmp_path / "inplace.txt"
     old = plugin.render_table(_rows(4, "Tree", "LL")).encode()
@@ -171,13 +176,15 @@ def test_in_place_writer_partial_or_mixed_file_keeps_last_good_with_one_warning(
     assert len(old) == len(new)  # same layout: only the checksum tells the mix from a table
     table.write_bytes(old)
     q = ["allreduce", "4096"]
+    env = _env(table)
+    env[plugin.RACY_ENV] = str(60_000_000)  # every look in this test finds the file "recent"
     proc = subprocess.Popen(
-        [harness, lib, "v4", "8", *q, "sleep:400", *q, "sleep:2", *q, "sleep:2", *q,
+        [harness, lib, "v4", "8", *q, "sleep:400", *q, "sleep:5", *q, "sleep:5", *q,
          "sleep:400", *q],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=_env(table),
+        env=env,
     )
     assert proc.stdout.readline().startswith("name=concerto_jax")
     answers = [proc.stdout.readline().strip()]

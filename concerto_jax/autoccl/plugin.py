@@ -52,6 +52,7 @@ __all__ = [
     "LIBRARY_NAME",
     "SOURCE_DIR",
     "POLL_ENV",
+    "RACY_ENV",
     "TABLE_ENV",
     "PluginBuildError",
     "TableRow",
@@ -74,6 +75,9 @@ LIBRARY_NAME = (
 )
 TABLE_ENV = "CONCERTO_NCCL_TUNER_TABLE"
 POLL_ENV = "CONCERTO_NCCL_TUNER_POLL_US"  # min microseconds between two checks of the file
+# microseconds during which a just-modified file is read again although its identity (inode,
+# size, mtime, ctime) is unchanged (default 25 ms; raise on file systems with coarse timestamps)
+RACY_ENV = "CONCERTO_NCCL_TUNER_RACY_US"
 TABLE_HEADER = "concerto-tuner-table 3"
 _SOURCES = ("concerto_tuner.c",)
 _HEADERS = ("concerto_tuner_api.h",)

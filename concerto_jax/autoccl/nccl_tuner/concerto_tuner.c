@@ -24,7 +24,8 @@
  * (header, every line, the end count and checksum) and only then publishes it with one release
  * store. A reader does one acquire load per call, so it sees one whole table. Replaced tables are
  * kept until destroy (never freed while a reader may hold them).
- * "Racy" files: a file whose mtime/ctime is within RACY_NS of the moment it was read may still be
+ * "Racy" files: a file whose mtime/ctime is within $CONCERTO_NCCL_TUNER_RACY_US (default
+ * DEFAULT_RACY_NS) of the moment it was read may still be
  * changed without its identity changing (coarse file timestamps, inode numbers reused by the next
  * rename of a same-size table). Such a file is read again at the next look until it is older than
  * that (at most every RACY_RECHECK_NS); content identical to what was read last (same CRC and
@@ -56,7 +57,7 @@
 #define ANY (-1)
 #define TABLE_VERSION 3
 #define MAX_TABLE_BYTES (16 << 20)
-#define RACY_NS 25000000LL         /* 25 ms: above coarse file timestamp granularity (one jiffy, <= 10 ms) */
+#define DEFAULT_RACY_NS 25000000LL /* 25 ms: above coarse file timestamp granularity (one jiffy, <= 10 ms) */
 #define RACY_RECHECK_NS 1000000LL  /* a racy file is read again at most every 1 ms */
 
 typedef struct {
@@ -86,6 +87,7 @@ typedef struct {
   size_t n_ranks;
   char* path;                      /* NULL: no table configured */
   long long poll_ns;
+  long long racy_ns;               /* a file modified this recently is read again */
   table_t* current;                /* atomic; NULL = NCCL defaults */
   table_t* retired;                /* guarded by lock */
   pthread_mutex_t lock;            /* one reloader at a time */
@@ -345,7 +347,7 @@ static void maybe_reload(context_t* ctx) {
   int same_version = same_id(&fb.id, &ctx->seen) && crc == ctx->seen_crc && fb.len == ctx->seen_len;
   long long stamp = fb.id.mtime_ns > fb.id.ctime_ns ? fb.id.mtime_ns : fb.id.ctime_ns;
   ctx->seen = fb.id;
-  ctx->seen_racy = llabs_diff(t_read, stamp) < RACY_NS;
+  ctx->seen_racy = llabs_diff(t_read, stamp) < ctx->racy_ns;
   ctx->racy_read_ns = now_ns();
   ctx->seen_crc = crc;
   ctx->seen_len = fb.len;
@@ -376,6 +378,8 @@ static ncclResult_t concerto_init(size_t nRanks, size_t nNodes, ncclDebugLogger_
   const char* path = getenv(CONCERTO_TUNER_TABLE_ENV);
   const char* poll = getenv(CONCERTO_TUNER_POLL_ENV);
   ctx->poll_ns = poll ? atoll(poll) * 1000LL : 0;
+  const char* racy = getenv(CONCERTO_TUNER_RACY_ENV);
+  ctx->racy_ns = racy && *racy ? atoll(racy) * 1000LL : DEFAULT_RACY_NS;
   ctx->last_check_ns = now_ns() - ctx->poll_ns - 1; /* the first call always looks */
   if (!path || !*path) {
     LOG(ctx, NCCL_LOG_WARN, "concerto tuner: %s not set; using NCCL defaults", CONCERTO_TUNER_TABLE_ENV);
