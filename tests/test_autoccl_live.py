@@ -256,3 +256,82 @@ def test_poll_interval_limits_checks(built, tmp_path):
     plugin.write_table(_rows(9), table)
     second, _ = proc.communicate(timeout=30)
     assert first.strip().endswith("channels=4") and second.strip().endswith("channels=4")
+
+
+_COARSE_CLOCK_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <sys/stat.h>
+#include <time.h>
+/* A file system with coarse timestamps, as seen by the plugin: every stat/fstat reports the same
+ * mtime and ctime (the time of the first call), so an in-place rewrite of the same size keeps the
+ * file's whole identity (dev, inode, size, mtime, ctime). */
+static struct timespec t0;
+static void coarse(struct stat* st) {
+  if (!t0.tv_sec) clock_gettime(CLOCK_REALTIME, &t0);
+  st->st_mtim = t0;
+  st->st_ctim = t0;
+}
+int stat(const char* path, struct stat* st) {
+  static int (*real)(const char*, struct stat*);
+  if (!real) real = (int (*)(const char*, struct stat*))dlsym(RTLD_NEXT, "stat");
+  int rc = real(path, st);
+  if (rc == 0) coarse(st);
+  return rc;
+}
+int fstat(int fd, struct stat* st) {
+  static int (*real)(int, struct stat*);
+  if (!real) real = (int (*)(int, struct stat*))dlsym(RTLD_NEXT, "fstat");
+  int rc = real(fd, st);
+  if (rc == 0) coarse(st);
+  return rc;
+}
+"""
+
+
+def test_racy_file_with_unchanged_identity_is_read_again(built, tmp_path):
+    """Coarse timestamps (simulated by an LD_PRELOAD shim): an in-place same-size rewrite leaves
+    the file's identity unchanged; the plugin still picks it up because the file was recent when
+    last read (the racy window). Control: with the window set to 0 the rewrite is missed, which
+    shows the shim did hide the change."""
+    lib, harness, _ = built
+    shim_src = tmp_path / "coarse.c"
+    shim_src.write_text(_COARSE_CLOCK_SHIM)
+    shim = tmp_path / "libcoarse.so"
+    cc = subprocess.run(
+        [plugin._compiler(), "-shared", "-fPIC", "-O2", "-o", str(shim), str(shim_src), "-ldl"],
+        capture_output=True,
+        text=True,
+    )
+    if cc.returncode != 0:
+        pytest.skip(f"cannot build the stat shim: {cc.stderr[:200]}")
+    old = plugin.render_table(_rows(4, "Tree", "LL")).encode()
+    new = plugin.render_table(_rows(5, "Ring", "LL")).encode()
+    assert len(old) == len(new)
+
+    def second_answer(racy_us):
+        table = tmp_path / f"racy{racy_us}.txt"
+        table.write_bytes(old)
+        env = _env(table)
+        env[plugin.RACY_ENV] = str(racy_us)
+        env["LD_PRELOAD"] = str(shim)
+        q = ["allreduce", "4096"]
+        proc = subprocess.Popen(
+            [harness, lib, "v4", "8", *q, "sleep:300", *q],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        proc.stdout.readline()
+        first = proc.stdout.readline().strip()
+        with open(table, "r+b") as f:  # in place, same size
+            f.write(new)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err
+        assert first.endswith("algo=tree proto=ll channels=4"), first
+        return out.strip()
+
+    if not second_answer(0).endswith("algo=tree proto=ll channels=4"):
+        pytest.skip("the LD_PRELOAD stat shim had no effect here (the rewrite was seen anyway)")
+    assert second_answer(60_000_000).endswith("algo=ring proto=ll channels=5")
