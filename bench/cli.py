@@ -56,7 +56,7 @@ def main(argv=None) -> int:
         return concerto_vs_xla.run_from_args(args, "python -m bench.cli concerto")
     # The deviceless GPU compile needs JAX on CPU; set before JAX starts (the CLI, not the library).
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    if args.command == "validate-cpu" and not args.multithreaded:
+    if args.command == "decompose-calibrate" or (args.command == "validate-cpu" and not args.multithreaded):
         # One XLA:CPU thread for programs and kernels alike: on a shared 2-core machine multi-threaded
         # timings depend on what the neighbours run; single-threaded ones compose (sum of kernels).
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +

@@ -3,6 +3,7 @@
 import itertools
 import os
 import subprocess
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -327,8 +328,13 @@ def test_plugin_answers_per_table(built):
     assert out[2].endswith("algo=ring proto=ll channels=-1")
     assert out[3].endswith("algo=default proto=default channels=-1")
     assert "3 rule(s) loaded" in err
-    assert open(table).read().splitlines()[0] == "concerto-tuner-table 2"
+    assert open(table).read().splitlines()[0] == "concerto-tuner-table 3"
     assert autoccl.plugin.plugin_env("a.so", "t.txt")["NCCL_TUNER_PLUGIN"].endswith("a.so")
+
+
+def _sealed(body, n_rules):
+    """A version 3 table from a hand-written body: end line with the count and the checksum."""
+    return body + f"end {n_rules} crc32={zlib.crc32(body.encode()):08x}\n"
 
 
 @pytest.mark.parametrize(
@@ -336,15 +342,16 @@ def test_plugin_answers_per_table(built):
     [
         None,
         "missing",
-        "concerto-tuner-table 2\nallreduce 0 x * * ring simple 1\nend 1\n",
-        "concerto-tuner-table 2\nallreduce 0 2000 * * ring simple\nend 1\n",
-        "concerto-tuner-table 2\nbogus 0 2000 * * ring simple 1\nend 1\n",
-        "concerto-tuner-table 2\nallreduce 2000 0 * * ring simple 1\nend 1\n",
-        "concerto-tuner-table 2\nallreduce 0 2000 * * ring * 1\nend 1\n",
-        "concerto-tuner-table 2\nallreduce 0 2000 * 2/2 ring simple 1\nend 1\n",
-        "concerto-tuner-table 2\nallreduce 0 2000 * * ring simple 1\n",  # no end line
-        "concerto-tuner-table 2\nallreduce 0 2000 * * ring simple 1\nend 2\n",  # wrong count
-        "allreduce 0 2000 * * ring simple 1\nend 1\n",  # no header
+        _sealed("concerto-tuner-table 3\nallreduce 0 x * * ring simple 1\n", 1),
+        _sealed("concerto-tuner-table 3\nallreduce 0 2000 * * ring simple\n", 1),
+        _sealed("concerto-tuner-table 3\nbogus 0 2000 * * ring simple 1\n", 1),
+        _sealed("concerto-tuner-table 3\nallreduce 2000 0 * * ring simple 1\n", 1),
+        _sealed("concerto-tuner-table 3\nallreduce 0 2000 * * ring * 1\n", 1),
+        _sealed("concerto-tuner-table 3\nallreduce 0 2000 * 2/2 ring simple 1\n", 1),
+        "concerto-tuner-table 3\nallreduce 0 2000 * * ring simple 1\n",  # no end line
+        _sealed("concerto-tuner-table 3\nallreduce 0 2000 * * ring simple 1\n", 2),  # count
+        _sealed("allreduce 0 2000 * * ring simple 1\n", 1),  # no header
+        "concerto-tuner-table 2\nallreduce 0 2000 * * ring simple 1\nend 1\n",  # v2: no checksum
         "allreduce 0 2000 ring simple 1\n",  # the old (version 1) format
         "\x00\xff garbage",
     ],

@@ -1,4 +1,5 @@
-"""compile_for_target: the optimised, pinned program compiled deviceless for a target GPU (needs the CUDA plugin)."""
+"""compile_for_target: the optimised program compiled deviceless for a target GPU (needs the CUDA plugin):
+the backend-only path (our order on XLA's scheduled module, kept by XLA's backend) and the pin path."""
 
 import os
 
@@ -39,9 +40,9 @@ def _mlp():
 @needs_plugin
 def test_compile_for_target_pins_and_measures(tmp_path):
     step, args = _mlp()
-    res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=concerto_jax.Options(
+    res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", via="pin", options=concerto_jax.Options(
         passes=("schedule",), fallback=False, dump_dir=str(tmp_path)))
-    assert res.fallback_reason is None
+    assert res.fallback_reason is None and res.via == "pin"
     assert [p.name for p in res.passes] == ["schedule", "pin"]
     assert res.pins > 0 and res.emitted_text.count("opt-barrier(") == 2 * res.pins
     # XLA's final module of OUR program: scheduled, async collectives, and our barriers in it.
@@ -62,10 +63,43 @@ def test_compile_for_target_falls_back_with_one_warning(monkeypatch):
     def broken(*a, **k):
         raise RuntimeError("simulated XLA rejection")
 
-    monkeypatch.setattr(program, "compile_replicated_for_target", broken)
+    from concerto_jax.target import pjrt_c
+
+    monkeypatch.setattr(program, "compile_replicated_for_target", broken)  # the pin path's compile
+    monkeypatch.setattr(pjrt_c, "compile_hlo", broken)  # the backend-only path's compile
     step, args = _mlp()
-    with pytest.warns(concerto_jax.TargetFallbackWarning, match="simulated XLA rejection") as rec:
-        res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8")
-    assert len([w for w in rec if issubclass(w.category, concerto_jax.TargetFallbackWarning)]) == 1
-    assert "simulated XLA rejection" in res.fallback_reason
-    assert res.final_text == res.stock_final_text and res.final_step_us == res.stock_step_us
+    for via in ("backend_only", "pin"):
+        with pytest.warns(concerto_jax.TargetFallbackWarning, match="simulated XLA rejection") as rec:
+            res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", via=via)
+        assert len([w for w in rec if issubclass(w.category, concerto_jax.TargetFallbackWarning)]) == 1
+        assert "simulated XLA rejection" in res.fallback_reason and res.via == "stock"
+        assert res.final_text == res.stock_final_text and res.final_step_us == res.stock_step_us
+
+
+@needs_plugin
+def test_compile_for_target_backend_only_keeps_our_order(tmp_path):
+    """Default path: our scheduler orders XLA's after-LHS module and XLA's backend keeps that order."""
+    import hlo_passes
+
+    step, args = _mlp()
+    res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=concerto_jax.Options(
+        passes=("schedule",), fallback=False, dump_dir=str(tmp_path)))
+    assert res.fallback_reason is None and res.via == "backend_only" and res.pins == 0
+    assert [p.name for p in res.passes] == ["schedule"] and res.passes[0].stats["on"] == "xla_after_lhs"
+    assert "opt-barrier" not in res.emitted_text and "is_scheduled=true" in res.emitted_text
+    handed = hlo_passes.parse_module(res.emitted_text)
+    final = hlo_passes.parse_module(res.final_text)
+    # Every computation we scheduled comes back in our order: instruction for instruction
+    # except async pairs XLA's backend makes synchronous when nothing overlaps them (their
+    # start then moves down to its done).
+    for name in [c.name for c in hlo_passes.loops.schedulable_computations(handed)]:
+        ours = [i for i in handed.computation(name).instructions]
+        sync = {i.name for i in final.computation(name).instructions
+                if '"is_sync":true' in str(i.attrs.get("backend_config", ""))}
+        got = [i.name for i in final.computation(name).instructions if i.name not in sync]
+        assert got == [i.name for i in ours if i.name not in sync]
+    assert res.final_step_us <= 1.02 * res.planned_step_us and res.overlap_kept >= 0.95
+    assert res.peak_bytes is not None and res.memory_limit_bytes is not None
+    assert res.peak_bytes <= res.memory_limit_bytes
+    for name in ("captured.hlo", "xla_after_lhs.hlo", "emitted.hlo", "final.hlo", "stock_final.hlo"):
+        assert os.path.getsize(tmp_path / name) > 0

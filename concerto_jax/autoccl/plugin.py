@@ -7,10 +7,10 @@ written against our own declaration of the v3/v4 API in
 ``nccl_tuner/concerto_tuner_api.h``; both symbols are exported) answers from a
 text table whose path is in ``CONCERTO_NCCL_TUNER_TABLE``::
 
-    concerto-tuner-table 2
+    concerto-tuner-table 3
     <collective> <min_bytes> <max_bytes> <nranks|*> <k/p|*> <algorithm|*> <protocol|*> <channels>
     ...
-    end <number of rules>
+    end <number of rules> crc32=<zlib.crc32 of every byte before this line, 8 hex digits>
 
 The first matching rule sets its cell to 0.0 (NCCL picks the cheapest cell)
 and ``nChannels``. Keys: collective type x byte range (a size class) x
@@ -20,9 +20,11 @@ same-size collectives of one step).
 The table is *live*: the plugin stats the file on every ``getCollInfo`` (or
 every ``CONCERTO_NCCL_TUNER_POLL_US`` microseconds) and, when it changed,
 parses and validates the whole file before swapping one pointer, so a
-collective always sees one whole table. ``write_table`` writes a temporary
-file and renames it over the path, so the next step's collectives use the new
-rules without restarting NCCL. A bad or missing table logs a warning through
+collective always sees one whole table. The rule count and the checksum make
+a table self-validating: a half-written file, or one mixing two versions (an
+in-place writer), is rejected. ``write_table`` writes a temporary file and
+renames it over the path, so the next step's collectives use the new rules
+without restarting NCCL. A bad or missing table logs a warning through
 NCCL's logger and keeps the last good table (or NCCL's defaults if none).
 
 This is how per-collective tuned choices reach NCCL, where the environment
@@ -42,6 +44,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import zlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -49,6 +52,7 @@ __all__ = [
     "LIBRARY_NAME",
     "SOURCE_DIR",
     "POLL_ENV",
+    "RACY_ENV",
     "TABLE_ENV",
     "PluginBuildError",
     "TableRow",
@@ -71,7 +75,10 @@ LIBRARY_NAME = (
 )
 TABLE_ENV = "CONCERTO_NCCL_TUNER_TABLE"
 POLL_ENV = "CONCERTO_NCCL_TUNER_POLL_US"  # min microseconds between two checks of the file
-TABLE_HEADER = "concerto-tuner-table 2"
+# microseconds during which a just-modified file is read again although its identity (inode,
+# size, mtime, ctime) is unchanged (default 25 ms; raise on file systems with coarse timestamps)
+RACY_ENV = "CONCERTO_NCCL_TUNER_RACY_US"
+TABLE_HEADER = "concerto-tuner-table 3"
 _SOURCES = ("concerto_tuner.c",)
 _HEADERS = ("concerto_tuner_api.h",)
 _COLLECTIVES = {
@@ -106,15 +113,28 @@ def _run(cmd: list[str]) -> None:
         raise PluginBuildError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr}")
 
 
-_SANITIZE = ("-fsanitize=address,undefined", "-g", "-fno-omit-frame-pointer")
+_SANITIZE = {
+    "address": ("-fsanitize=address,undefined", "-g", "-fno-omit-frame-pointer"),
+    "thread": ("-fsanitize=thread", "-g", "-O1"),
+}
 
 
-def build(out_dir: str | os.PathLike[str], sanitize: bool = False) -> str:
+def _sanitize_flags(sanitize: bool | str) -> tuple[str, ...]:
+    if not sanitize:
+        return ()
+    kind = "address" if sanitize is True else sanitize
+    if kind not in _SANITIZE:
+        raise ValueError(f"sanitize={sanitize!r}: use False, True/'address' or 'thread'.")
+    return _SANITIZE[kind]
+
+
+def build(out_dir: str | os.PathLike[str], sanitize: bool | str = False) -> str:
     """Compiles the plugin with the system compiler (``cc -shared -fPIC``).
 
     Args:
       out_dir: directory for the library (created if needed).
-      sanitize: build with AddressSanitizer + UBSan (tests; pair with ``build_harness(sanitize=True)``).
+      sanitize: tests only: ``True`` or ``"address"`` builds with AddressSanitizer + UBSan,
+        ``"thread"`` with ThreadSanitizer; pair with ``build_harness`` given the same value.
 
     Returns:
       Path of ``libnccl-tuner-concerto.so``.
@@ -125,22 +145,27 @@ def build(out_dir: str | os.PathLike[str], sanitize: bool = False) -> str:
     os.makedirs(out_dir, exist_ok=True)
     out = os.path.join(os.fspath(out_dir), LIBRARY_NAME)
     srcs = [os.path.join(SOURCE_DIR, s) for s in _SOURCES]
-    flags = _SANITIZE if sanitize else ()
+    flags = _sanitize_flags(sanitize)
     _run([_compiler(), "-shared", "-fPIC", "-O2", "-Wall", "-pthread", *flags, "-I", SOURCE_DIR, "-o", out, *srcs])
     logger.info("autoccl: built NCCL tuner plugin %s", out)
     return out
 
 
-def build_harness(out_dir: str | os.PathLike[str], sanitize: bool = False) -> str:
-    """Compiles the dlopen harness (``nccl_tuner/harness.c``) used by tests; returns its path."""
+def build_harness(out_dir: str | os.PathLike[str], sanitize: bool | str = False) -> str:
+    """Compiles the dlopen harness (``nccl_tuner/harness.c``) used by tests; returns its path.
+
+    ``sanitize`` as for ``build`` (the harness and the plugin must use the same sanitizer).
+    """
+    flags = _sanitize_flags(sanitize)
     os.makedirs(out_dir, exist_ok=True)
-    out = os.path.join(os.fspath(out_dir), "concerto_tuner_harness" + ("_asan" if sanitize else ""))
+    suffix = {True: "_asan", "address": "_asan", "thread": "_tsan"}.get(sanitize, "") if flags else ""
+    out = os.path.join(os.fspath(out_dir), "concerto_tuner_harness" + suffix)
     _run(
         [
             _compiler(),
             "-O2",
             "-pthread",
-            *(_SANITIZE if sanitize else ()),
+            *flags,
             "-I",
             SOURCE_DIR,
             "-o",
@@ -243,22 +268,27 @@ class TableRow:
 
 
 def render_table(rows: Iterable[TableRow]) -> str:
-    """The whole table text: header, one line per rule, ``end <count>``."""
+    """The whole table text: header, one line per rule, ``end <count> crc32=<checksum>``.
+
+    The checksum is ``zlib.crc32`` of the UTF-8 bytes of everything before the end line; the
+    plugin recomputes it, so it rejects a file that is partly rewritten or mixes two versions.
+    """
     body = [r.render() for r in rows]
-    lines = [
-        TABLE_HEADER,
-        "# collective min_bytes max_bytes nranks occurrence algorithm protocol channels",
-        *body,
-        f"end {len(body)}",
-    ]
-    return "\n".join(lines) + "\n"
+    head = "\n".join(
+        [
+            TABLE_HEADER,
+            "# collective min_bytes max_bytes nranks occurrence algorithm protocol channels",
+            *body,
+        ]
+    ) + "\n"
+    return head + f"end {len(body)} crc32={zlib.crc32(head.encode()):08x}\n"
 
 
 def write_table(rows: Iterable[TableRow], path: str | os.PathLike[str]) -> str:
     """Writes the rules atomically (temporary file + ``os.replace``) and returns the path.
 
     A plugin that is running picks the new table up at its next ``getCollInfo``;
-    it never sees a half-written file (and would reject one: the ``end`` line).
+    it never sees a half-written file (and would reject one: the ``end`` line and its checksum).
     """
     text = render_table(rows)
     path = os.fspath(path)
@@ -266,8 +296,8 @@ def write_table(rows: Iterable[TableRow], path: str | os.PathLike[str]) -> str:
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".concerto-table-")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:  # bytes: the checksum covers exactly what is written
+            f.write(text.encode())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

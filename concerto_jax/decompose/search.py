@@ -2,7 +2,8 @@
 
 Stages, per computation (the entry, and while bodies of scanned layers)::
 
-    task graph (costed)  -> critical collectives (critical.py)
+    task graph (costed)  -> judge's schedule (the schedule pass's scheduler) + simulation
+                         -> critical collectives: P/S/I rule, then simulated stall (critical.py)
     each critical D, each axis its rule splits -> context BFS (context.py)
     each degree N = 2, 4, ... dividing the context -> predicted gain (cost.py)
     candidates with a positive gain -> CP-SAT choice (choose.py)
@@ -27,7 +28,7 @@ from concerto_jax.decompose import rules
 from concerto_jax.decompose.choose import Candidate
 from concerto_jax.decompose.context import build_context
 from concerto_jax.decompose.cost import Calibration, strategy_cost
-from concerto_jax.decompose.critical import find_critical
+from concerto_jax.decompose.critical import exposed_by_schedule, find_critical
 from concerto_jax.decompose.options import DecomposeOptions
 from concerto_jax.hlo_taskgraph import _groups, build_taskgraph, op_info
 from hlo_passes.decompose_rewrite import max_channel_id, split_instructions
@@ -56,32 +57,86 @@ def computations_to_search(module, options: DecomposeOptions) -> list:
     return comps
 
 
+def judge_options(options: DecomposeOptions,
+                  schedule_options: scheduler.ScheduleOptions | None = None) -> scheduler.ScheduleOptions:
+    """The scheduler settings of the judge: the schedule pass's (``schedule_options``), with
+    the whole-graph CP-SAT solve off, ``options.judge_rounds`` odd-even rounds (0: the list
+    heuristic alone) and no progress lines. The memory rule is the schedule pass's."""
+    base = schedule_options or scheduler.ScheduleOptions()
+    oe = None
+    if options.judge_rounds > 0:
+        oe = dataclasses.replace(base.odd_even or scheduler.OddEvenOptions(),
+                                 rounds=options.judge_rounds, progress=False)
+    return dataclasses.replace(base, full_model_max_tasks=0, odd_even=oe, progress=False)
+
+
+def judge_schedule(graph, initial, sched_options: scheduler.ScheduleOptions, slowdown: float):
+    """(events, ``SimResult``) of ``graph`` scheduled by the judge and simulated."""
+    from concerto_jax.simulator import SimOptions, simulate
+
+    res = scheduler.schedule(graph, sched_options, initial=initial)
+    events = list(res.events)
+    return events, simulate(graph, events, SimOptions(overlap_slowdown=slowdown, memory=False))
+
+
 @dataclasses.dataclass
 class Found:
-    """Candidates and the context of each, for one module."""
+    """Candidates and the context of each, for one module.
+
+    ``exposed`` lists the critical collectives, most exposed first, as dicts
+    (computation, collective, opcode, time, exposed, P/S/I bound, the rule that decided);
+    ``judged`` per computation: the judge's simulated step and exposed communication.
+    """
 
     candidates: list[Candidate]
     contexts: dict  # (computation, collective, axis) -> Context
     critical: int = 0
     collectives: int = 0
+    exposed: list = dataclasses.field(default_factory=list)
+    judged: dict = dataclasses.field(default_factory=dict)
 
 
 def find_candidates(module, cost_model, calibration: Calibration,
-                    options: DecomposeOptions) -> Found:
-    """Critical collectives, their contexts and the strategies predicted to gain."""
+                    options: DecomposeOptions,
+                    schedule_options: scheduler.ScheduleOptions | None = None) -> Found:
+    """Critical collectives, their contexts and the strategies predicted to gain.
+
+    Args:
+      module: the post-SPMD module (not modified).
+      cost_model: the target's cost model.
+      calibration: measured overlap slowdown and per-chunk overhead.
+      options: the pass's options.
+      schedule_options: the schedule pass's scheduler options (the judge derives its own
+        from them, see ``judge_options``); None: the defaults.
+    """
     cache: dict = {}
 
     def cost_of(inst) -> float:
         return cost_model.compute_us(op_info(inst, cache))
 
     found = Found([], {})
+    judge = judge_options(options, schedule_options)
     for comp in computations_to_search(module, options):
         hg = build_taskgraph(_view(module, comp), cost_model)
         launch = cost_model.options.compute.launch_overhead_us if options.fused_slack else 0.0
-        crits = find_critical(hg.graph, only_critical=False, launch_us=launch)
+        stalls = None
+        if options.criticality == "schedule" and any(t.is_collective for t in hg.graph.tasks):
+            events, sim = judge_schedule(hg.graph, hg.events, judge, calibration.overlap_slowdown)
+            stalls = exposed_by_schedule(hg.graph, events, sim.timings)
+            found.judged[comp.name] = {"step_us": round(sim.step_time_us, 1),
+                                       "exposed_comm_us": round(sim.exposed_comm_us, 1)}
+        crits = find_critical(hg.graph, only_critical=False, launch_us=launch,
+                              scheduled_exposed=stalls, min_exposed_us=options.min_exposed_us,
+                              min_exposed_frac=options.min_exposed_frac)
         found.collectives += len(crits)
         for rec in crits:
             found.critical += rec.critical
+            if rec.critical:
+                found.exposed.append({
+                    "computation": comp.name, "collective": rec.name,
+                    "opcode": comp.instruction(rec.name).opcode, "time_us": round(rec.time_us, 1),
+                    "exposed_us": round(rec.exposed_us, 1),
+                    "psi_bound_us": round(rec.bound_exposed_us, 1), "rule": rec.rule})
             if not rec.critical and options.force_degree is None:
                 continue
             coll = comp.instruction(rec.name)
@@ -102,6 +157,7 @@ def find_candidates(module, cost_model, calibration: Calibration,
                         found.candidates.append(Candidate(
                             coll.name, axis, n, sc.gain_us, frozenset(ctx.members()), comp.name))
                     n *= 2
+    found.exposed.sort(key=lambda r: -r["exposed_us"])
     return found
 
 
@@ -127,16 +183,17 @@ def apply(module, chosen: list[Candidate], contexts: dict) -> list[dict]:
     return done
 
 
-def simulated_step_us(module, cost_model, slowdown: float) -> float:
-    """Step time of ``module`` (all searched computations' entry view) after scheduling,
+def simulated_step_us(module, cost_model, slowdown: float,
+                      sched_options: scheduler.ScheduleOptions | None = None) -> float:
+    """Step time of ``module``'s entry computation scheduled by the judge
+    (``judge_options``; None: the list heuristic under the default memory rule) and
     simulated with the measured overlap slowdown."""
-    from concerto_jax.simulator import SimOptions, simulate
-
     hg = build_taskgraph(module, cost_model)
-    opts = scheduler.ScheduleOptions(full_model_max_tasks=0, odd_even=None)
-    res = scheduler.schedule(hg.graph, opts, initial=hg.events)
-    return simulate(hg.graph, list(res.events), SimOptions(overlap_slowdown=slowdown,
-                                                           memory=False)).step_time_us
+    if sched_options is None:
+        sched_options = scheduler.ScheduleOptions(full_model_max_tasks=0, odd_even=None,
+                                                  progress=False)
+    _, sim = judge_schedule(hg.graph, hg.events, sched_options, slowdown)
+    return sim.step_time_us
 
 
 def _copy(module):
@@ -144,7 +201,9 @@ def _copy(module):
 
 
 def joint_revise(module, found: Found, chosen: list[Candidate], cost_model,
-                 calibration: Calibration, options: DecomposeOptions) -> tuple[list[Candidate], dict]:
+                 calibration: Calibration, options: DecomposeOptions,
+                 schedule_options: scheduler.ScheduleOptions | None = None,
+                 ) -> tuple[list[Candidate], dict]:
     """Judge ``chosen`` by the simulated schedule of the rewritten module and revise it.
 
     Only the entry computation is simulated (while bodies are judged by the
@@ -152,25 +211,29 @@ def joint_revise(module, found: Found, chosen: list[Candidate], cost_model,
     candidates and "none"; a change is kept when the simulated step is faster.
 
     Returns:
-      The revised choice and the figures (baseline, first choice, final).
+      The revised choice and the figures (baseline, first choice, final, and one verdict
+      per tried strategy: ``"kept"``, ``"dropped"`` or ``"replaced by axis a N=n"``).
     """
     evals = [0]
+    judge = judge_options(options, schedule_options)
 
     def score(choice: list[Candidate]) -> float:
         evals[0] += 1
         trial = _copy(module)
         entry_choice = [c for c in choice if c.computation == module.entry.name]
         apply(trial, entry_choice, found.contexts)
-        return simulated_step_us(trial, cost_model, calibration.overlap_slowdown)
+        return simulated_step_us(trial, cost_model, calibration.overlap_slowdown, judge)
 
     base = score([])
     current = list(chosen)
     best = score(current) if current else base
     first = best
     entry = module.entry.name
+    verdicts = []
     for c in list(current):
         if c.computation != entry:
             continue
+        orig, before = c, best
         alts = [a for a in found.candidates if a.computation == entry
                 and a.collective == c.collective and (a.axis, a.n) != (c.axis, c.n)]
         alts.sort(key=lambda a: -a.gain_us)
@@ -188,6 +251,15 @@ def joint_revise(module, found: Found, chosen: list[Candidate], cost_model,
                 if alt is None:
                     break
                 c = alt
+        if c is orig and orig in current:
+            verdict = "kept"
+        elif c is orig:
+            verdict = "dropped"
+        else:
+            verdict = f"replaced by axis {c.axis} N={c.n}"
+        verdicts.append({"collective": orig.collective, "axis": orig.axis, "n": orig.n,
+                         "predicted_gain_us": round(orig.gain_us, 2), "verdict": verdict,
+                         "simulated_before_us": round(before, 1), "simulated_after_us": round(best, 1)})
     stats = {"baseline_us": round(base, 1), "first_choice_us": round(first, 1),
-             "joint_us": round(best, 1), "evaluations": evals[0]}
+             "joint_us": round(best, 1), "evaluations": evals[0], "verdicts": verdicts}
     return current, stats

@@ -51,7 +51,12 @@ log = logging.getLogger(__name__)
 
 
 def order_from_events(hg: HloTaskGraph, events: Sequence[Event], instructions) -> list:
-    """Instruction order of the entry computation for an event order of its task graph.
+    """Instruction order of a computation for an event order of its task graph.
+
+    A synchronous collective sits at its START event (its operands are ready there, every
+    user comes after its DONE). The halves of an async collective pair (a scheduled module,
+    e.g. XLA's after its latency hiding scheduler) sit at their own events: the start at
+    START, the done (and any ``async-update``) at DONE.
 
     Args:
       hg: the task graph built from the computation with ``fold_aliases=False``.
@@ -64,19 +69,19 @@ def order_from_events(hg: HloTaskGraph, events: Sequence[Event], instructions) -
     Raises:
       ValueError: an instruction has no task (the graph was built with folded aliases).
     """
-    by_task: dict[int, list] = {}
+    at_start: dict[int, list] = {}
+    at_done: dict[int, list] = {}
     for inst in instructions:
         if inst.name not in hg.task_of:
             raise ValueError(f"instruction %{inst.name} has no task; build the graph with "
                              "fold_aliases=False to reorder a computation")
-        by_task.setdefault(hg.task_of[inst.name], []).append(inst)
+        late = inst.collective_kind is not None and inst.async_role in ("done", "update")
+        (at_done if late else at_start).setdefault(hg.task_of[inst.name], []).append(inst)
     order: list = []
     for e in events:
-        if e.phase is Phase.DONE:
-            continue  # synchronous collectives sit at their START
-        order.extend(by_task.pop(e.task, ()))
-    if by_task:
-        raise ValueError(f"{len(by_task)} tasks have no event in the schedule")
+        order.extend((at_done if e.phase is Phase.DONE else at_start).pop(e.task, ()))
+    if at_start or at_done:
+        raise ValueError(f"{len(at_start) + len(at_done)} tasks have no event in the schedule")
     return order
 
 

@@ -84,14 +84,28 @@ def _sim(text: str, cost_model):
     return built, opts, simulate(built.graph, built.events, opts)
 
 
-def measure(final_text: str, stock_text: str, cost_model) -> Fidelity:
-    """Planned, final and stock step times and the overlap kept (see the module docstring)."""
+def measure(final_text: str, stock_text: str, cost_model, planned_text: str | None = None) -> Fidelity:
+    """Planned, final and stock step times and the overlap kept (see the module docstring).
+
+    Args:
+      final_text: XLA's final module of our program.
+      stock_text: XLA's final module of the original step.
+      cost_model: the target's ``CostModel``.
+      planned_text: the scheduled module we handed XLA (the backend-only path): the plan is
+        then that module in its own order, not the as-early/as-late windows of
+        ``planned_events`` on the final graph (the pin path).
+    """
     from concerto_jax.simulator import simulate
 
     built, opts, final = _sim(final_text, cost_model)
-    plan = simulate(built.graph, planned_events(built.graph, built.events), opts)
+    if planned_text is None:
+        plan_graph = built.graph
+        plan = simulate(built.graph, planned_events(built.graph, built.events), opts)
+    else:
+        plan_built, _, plan = _sim(planned_text, cost_model)
+        plan_graph = plan_built.graph
     _, _, stock = _sim(stock_text, cost_model)
-    p_ov = overlap_by_collective(built.graph, plan)
+    p_ov = overlap_by_collective(plan_graph, plan)
     f_ov = overlap_by_collective(built.graph, final)
     planned = sum(p_ov.values())
     kept = sum(min(f_ov.get(n, 0.0), v) for n, v in p_ov.items())

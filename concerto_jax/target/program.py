@@ -1,24 +1,34 @@
 """``compile_for_target``: run the optimize pipeline on a step and compile the result for a target GPU, deviceless.
 
-Stages (each checked with jax/jaxlib 0.10.2 and the CUDA plugin on a CPU machine)::
+Two ways to make XLA's GPU compiler run our order (``via``):
+
+``"backend_only"`` (default; issue #9)::
 
     jitted step + abstract args on a target_mesh
-      | stock compile       lower + compile for the target with dumps at spmd-partitioning and
-      |                     around latency-hiding-scheduler: the post-SPMD module (our input)
-      |                     and XLA's final module of the original step (the baseline)
-      | pipeline.run        parse -> passes (Options.passes; "pin" added after "schedule")
-      |                     -> replicated rewrite -> print, checked by XLA's parser
-      | emit                scheduled module with async start/done pairs (hlo_passes.emit), dump
-      | replicated compile  HLO -> StableHLO -> compile for the target as n replicas
-      |                     (num_partitions=1): XLA's GPU compiler fuses and runs its latency
-      |                     hiding scheduler on OUR module; hlo_modules() is its final module
-      | simulate            one cost model (concerto_jax.simulator) for planned, final, stock
+      | stock compile       lower + compile for the target, dumps at spmd-partitioning and
+      |                     around latency-hiding-scheduler: the post-SPMD module, XLA's
+      |                     scheduled module of the original step (after LHS), its final module
+      | rewriting passes    the passes of Options.passes other than "schedule"/"pin" (e.g.
+      |                     decompose, fuse_collectives) on the post-SPMD module; when one
+      |                     changed it, XLA's pipeline runs on OUR module up to its scheduler
+      |                     (replicated compile with the LHS dump) and that after-LHS module
+      |                     is used instead
+      | schedule            our scheduler orders every computation of XLA's after-LHS module
+      |                     (target.native.reschedule_text: no opt-barrier, XLA fused and
+      |                     combined as usual); memory limit: ScheduleOptions' (default: the
+      |                     starting order's peak)
+      | backend-only compile the PJRT C API (target.pjrt_c) with run_backend_only: XLA keeps
+      |                     the schedule and runs its backend; final_text is its module
+      | simulate            one cost model for planned (the module we handed XLA, in its
+      |                     order), final and stock
       v
     TargetResult
 
-The plan reaches XLA as data dependencies (``pin`` pass, DESIGN.md section 5):
-each collective's window is tied with two ``opt-barrier``s. XLA still fuses and
-orders the program; ``final_text`` is what it made of ours.
+``"pin"`` (issue #9, first lever): the whole pipeline on the post-SPMD module, the ``pin``
+pass ties each collective's window with two ``opt-barrier``s, XLA compiles the replicated
+module with its full pipeline (barriers block fusion across them and the combiner).
+Any failure of either path falls back to the stock program with one
+``TargetFallbackWarning``.
 """
 
 from __future__ import annotations
@@ -54,10 +64,12 @@ class TargetResult:
       final_text: XLA's final scheduled module of the optimised program (what the GPUs
         run); equals ``stock_final_text`` after a fallback.
       stock_final_text: XLA's final module of the original step, same target, stock options.
-      emitted_text: the module we handed to XLA (replicated, pins included).
+      emitted_text: the module we handed to XLA (backend-only: XLA's after-LHS module in our
+        order; pin: replicated, pins included).
       scheduled_text: the same program as a scheduled module with explicit async
         start/done pairs at the planned positions (``hlo_passes.emit``), or None.
-      planned_step_us: the plan on the graph XLA runs: XLA's final module of our program,
+      planned_step_us: backend-only path: the scheduled module we handed XLA, in its order.
+        Pin path: the plan on the graph XLA runs: XLA's final module of our program,
         with every async collective started as soon as its operands allow and waited for
         right before its first reader (the window the pins ask for).
       final_step_us: XLA's final module of our program in XLA's order.
@@ -69,10 +81,15 @@ class TargetResult:
       overlap_kept: ``final_overlap_us / planned_overlap_us`` (1.0 when nothing was planned
         to overlap): the share of the planned overlapped communication time that XLA's
         final module keeps overlapped.
-      pins: collectives whose window got opt-barriers.
+      pins: collectives whose window got opt-barriers (0 on the backend-only path).
       passes: the pass records of the pipeline (name, changed, seconds, stats).
       fallback_reason: why the optimised program was not compiled (None when it was).
       seconds: wall time per stage.
+      via: how the plan reached XLA: ``"backend_only"``, ``"pin"``, or ``"stock"`` after a fallback.
+      input_peak_bytes: peak live bytes of XLA's order of the entry under the scheduler's memory
+        model (backend-only path; None otherwise).
+      peak_bytes: the same for our order (never above ``memory_limit_bytes``).
+      memory_limit_bytes: the limit the scheduler applied to the entry (None: none).
     """
 
     target: str
@@ -90,6 +107,10 @@ class TargetResult:
     passes: tuple
     fallback_reason: str | None
     seconds: dict
+    via: str = "pin"
+    input_peak_bytes: int | None = None
+    peak_bytes: int | None = None
+    memory_limit_bytes: int | None = None
 
 
 def _pipeline_options(options):
@@ -120,11 +141,13 @@ def _copy_to_reshape(text: str) -> str:
     return hlo_passes.module_to_text(module) if n else text
 
 
-def compile_replicated_for_target(hlo_text: str, devices: Sequence, compiler_options: dict | None = None):
+def compile_replicated_for_target(hlo_text: str, devices: Sequence, compiler_options: dict | None = None,
+                                  *, after_lhs: bool = False):
     """Compile a replicated per-device module for the deviceless target of ``devices``.
 
     Returns:
-      ``(final module text, before-LHS text or None, compile seconds)``.
+      ``(final module text, before-LHS text or None, compile seconds)``; with ``after_lhs``
+      a fourth item, the after-LHS module (None when XLA wrote none).
     """
     from jax._src.interpreters import mlir as jax_mlir
     from jax._src.lib import _jax
@@ -148,8 +171,9 @@ def compile_replicated_for_target(hlo_text: str, devices: Sequence, compiler_opt
                                             compile_options=opts)
         dt = time.perf_counter() - t0
         before = _read_dump(d, "before_latency-hiding-scheduler")
+        after = _read_dump(d, "after_latency-hiding-scheduler")
     final = exe.hlo_modules()[0].to_string()
-    return final, before, dt
+    return (final, before, dt, after) if after_lhs else (final, before, dt)
 
 
 def _devices_of(compiled) -> tuple:
@@ -164,33 +188,39 @@ def _devices_of(compiled) -> tuple:
 
 
 def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options=None,
-                       **abstract_kwargs) -> TargetResult:
+                       via: str = "backend_only", **abstract_kwargs) -> TargetResult:
     """Optimise ``step`` with ``options`` and compile it for ``target`` without a GPU.
 
     Args:
       step: a ``jax.jit``-wrapped step whose shardings are over a ``target_mesh(target, ...)``.
       *abstract_args: ``jax.ShapeDtypeStruct``s with shardings over that mesh (arrays accepted).
       target: a cluster name of ``concerto_jax.costmodel.CLUSTERS`` (2-host ones included).
-      options: ``concerto_jax.Options`` (its ``passes`` run; ``pin`` is added after
-        ``schedule``; ``compiler_options`` go to both compiles; ``dump_dir`` receives the
-        captured, emitted, scheduled and final modules). None: ``Options(passes=("schedule",))``.
+      options: ``concerto_jax.Options`` (its ``passes`` run; ``compiler_options`` go to every
+        compile; ``dump_dir`` receives the captured, handed and final modules).
+        None: ``Options(passes=("schedule",))``.
+      via: ``"backend_only"`` (default): "schedule" orders XLA's own scheduled module and XLA's
+        backend compiles it as is (PJRT C API, ``run_backend_only``); the other passes run on
+        the post-SPMD module first. ``"pin"``: every pass on the post-SPMD module, ``pin``
+        added after ``schedule``, XLA's full pipeline on the pinned module. See the module
+        docstring.
       **abstract_kwargs: keyword arguments of the step, abstract like the positional ones.
 
     Returns:
       A ``TargetResult``. If the optimised program cannot be compiled, it reports the stock
-      program (``fallback_reason`` set) after one ``TargetFallbackWarning``.
+      program (``fallback_reason`` set, ``via="stock"``) after one ``TargetFallbackWarning``.
 
     Raises:
       GpuPluginMissingError: the CUDA plugin is not installed.
       TypeError: ``step`` is not jitted.
-      ValueError: unknown target.
+      ValueError: unknown target or ``via``.
     """
-    from concerto_jax import pipeline
     from concerto_jax.capture import jit_info
     from concerto_jax.costmodel import CostModel, get_cluster
     from concerto_jax.options import Options
     from concerto_jax.target.fidelity import measure
 
+    if via not in ("backend_only", "pin"):
+        raise ValueError(f"via must be 'backend_only' or 'pin', got {via!r}")
     require_gpu_plugin()
     jit_info(step)
     options = Options(passes=("schedule",), target=target) if options is None else options
@@ -203,7 +233,8 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
     lowered = step.trace(*abstract_args, **abstract_kwargs).lower()
     seconds["lower"] = time.perf_counter() - t0
     xla_opts = tuple((k, v) for k, v in dict(options.compiler_options).items())
-    stock = compile_lowered(lowered, cluster, CompileOptions(dump_lhs=False, dump_spmd=True, extra=xla_opts))
+    stock = compile_lowered(lowered, cluster, CompileOptions(dump_lhs=via == "backend_only", dump_spmd=True,
+                                                             extra=xla_opts))
     seconds["stock_compile"] = stock.compile_s
     if stock.post_spmd_text is None:
         raise RuntimeError("XLA wrote no post-SPMD module for the target compile; is XLA_FLAGS "
@@ -211,20 +242,9 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
     stock_text = stock.final_text
     _dump(options.dump_dir, "captured.hlo", stock.post_spmd_text)
     _dump(options.dump_dir, "stock_final.hlo", stock_text)
-    result = pipeline_result = None
-    reason = None
+    run = _backend_only if via == "backend_only" else _pinned
     try:
-        t0 = time.perf_counter()
-        pipeline_result = pipeline.run(stock.post_spmd_text, _pipeline_options(options))
-        seconds["pipeline"] = time.perf_counter() - t0
-        _dump(options.dump_dir, "emitted.hlo", pipeline_result.text)
-        scheduled = _scheduled(pipeline_result.text)
-        _dump(options.dump_dir, "scheduled.hlo", scheduled)
-        devices = _devices_of(stock.compiled)
-        final, _, dt = compile_replicated_for_target(pipeline_result.text, devices, dict(options.compiler_options))
-        seconds["compile"] = dt
-        _dump(options.dump_dir, "final.hlo", final)
-        result = (final, scheduled)
+        out = run(stock, options, cluster, cost_model, seconds)
     except Exception as e:  # noqa: BLE001 - never stuck: report the stock program
         if not options.fallback:
             raise
@@ -232,23 +252,106 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
         warnings.warn(f"concerto_jax.compile_for_target: the optimised program could not be compiled "
                       f"for {target} ({reason}); reporting the stock program", TargetFallbackWarning,
                       stacklevel=2)
+        out = dict(final=stock_text, emitted=None, scheduled=None, passes=(), pins=0, via="stock",
+                   fallback_reason=reason)
     t0 = time.perf_counter()
-    final_text = result[0] if result else stock_text
-    m = measure(final_text, stock_text, cost_model)
+    m = measure(out["final"], stock_text, cost_model, planned_text=out.get("planned"))
     seconds["simulate"] = time.perf_counter() - t0
-    pins = 0
-    for rec in (pipeline_result.passes if pipeline_result else ()):
-        if rec.name == "pin":
-            pins = int(rec.stats.get("pinned", 0))
     return TargetResult(
-        target=target, final_text=final_text, stock_final_text=stock_text,
-        emitted_text=pipeline_result.text if pipeline_result else None,
-        scheduled_text=result[1] if result else None,
+        target=target, final_text=out["final"], stock_final_text=stock_text,
+        emitted_text=out["emitted"], scheduled_text=out["scheduled"],
         planned_step_us=m.planned_step_us, final_step_us=m.final_step_us, stock_step_us=m.stock_step_us,
         planned_overlap_us=m.planned_overlap_us, final_overlap_us=m.final_overlap_us,
-        overlap_kept=m.overlap_kept, pins=pins,
-        passes=tuple(pipeline_result.passes) if pipeline_result else (),
-        fallback_reason=reason, seconds={k: round(v, 2) for k, v in seconds.items()})
+        overlap_kept=m.overlap_kept, pins=out["pins"], passes=tuple(out["passes"]),
+        fallback_reason=out.get("fallback_reason"), seconds={k: round(v, 2) for k, v in seconds.items()},
+        via=out["via"], input_peak_bytes=out.get("input_peak_bytes"), peak_bytes=out.get("peak_bytes"),
+        memory_limit_bytes=out.get("memory_limit_bytes"))
+
+
+PLAN_PASSES = frozenset({"schedule", "pin"})
+"""Passes that only order the program: on the backend-only path "schedule" runs on XLA's
+scheduled module and "pin" is not used; every other pass rewrites the post-SPMD module first."""
+
+
+def _backend_only(stock, options, cluster, cost_model, seconds: dict) -> dict:
+    """The backend-only path (module docstring); raises on any failure (the caller falls back)."""
+    from concerto_jax import pipeline
+    from concerto_jax.executor import replicated_compile_options
+    from concerto_jax.report import PassRecord
+    from concerto_jax.target import native, pjrt_c
+
+    devices = _devices_of(stock.compiled)
+    env = dict(options.compiler_options)
+    records: list = []
+    rewriting = tuple(p for p in options.passes if p not in PLAN_PASSES)
+    scheduled_src = stock.after_lhs_text
+    compile_options = pjrt_c.spmd_compile_options(len(devices), env, device_ids=[d.id for d in devices])
+    if rewriting:
+        t0 = time.perf_counter()
+        pre = pipeline.run(stock.post_spmd_text, dataclasses.replace(options, passes=rewriting))
+        seconds["pipeline"] = time.perf_counter() - t0
+        records += pre.passes
+        if any(r.changed for r in pre.passes):
+            # XLA's pipeline up to (and through) its scheduler on OUR program.
+            _, _, dt, scheduled_src = compile_replicated_for_target(pre.text, devices, env, after_lhs=True)
+            seconds["xla_passes_compile"] = dt
+            opts = replicated_compile_options(devices)
+            if env:
+                opts.env_option_overrides = list(env.items())
+            compile_options = opts.SerializeAsString()
+    if scheduled_src is None:
+        raise RuntimeError("XLA wrote no after-latency-hiding-scheduler module (the target ran no "
+                           "scheduler, or XLA_FLAGS overrides --xla_dump_to)")
+    _dump(options.dump_dir, "xla_after_lhs.hlo", scheduled_src)
+    handed, memory = scheduled_src, {}
+    if "schedule" in options.passes:
+        t0 = time.perf_counter()
+        r = native.reschedule_text(scheduled_src, cost_model, options)
+        dt = time.perf_counter() - t0
+        seconds["schedule"] = dt
+        entry = r.computations[-1]
+        stats = {"target": options.target, "computations": len(r.computations), "changed": list(r.changed),
+                 "tasks": sum(c.tasks for c in r.computations),
+                 "collectives": sum(c.collectives for c in r.computations),
+                 "program_order_us": round(r.input_us, 1), "scheduled_us": round(r.scheduled_us, 1),
+                 "gain": round(r.input_us / r.scheduled_us, 4) if r.scheduled_us > 0 else 1.0,
+                 "source": entry.source, "input_peak_bytes": entry.input_peak_bytes,
+                 "peak_bytes": entry.peak_bytes, "memory_limit_bytes": entry.memory_limit_bytes,
+                 "on": "xla_after_lhs"}
+        records.append(PassRecord("schedule", bool(r.changed), dt, stats))
+        handed = r.text
+        memory = dict(input_peak_bytes=entry.input_peak_bytes, peak_bytes=entry.peak_bytes,
+                      memory_limit_bytes=entry.memory_limit_bytes)
+        if (entry.memory_limit_bytes is not None and entry.peak_bytes is not None
+                and entry.peak_bytes > entry.memory_limit_bytes):
+            raise RuntimeError(f"our order's peak {entry.peak_bytes} B exceeds the memory limit "
+                               f"{entry.memory_limit_bytes} B")
+    _dump(options.dump_dir, "emitted.hlo", handed)
+    t0 = time.perf_counter()
+    final = pjrt_c.compile_hlo(handed, cluster, compile_options, backend_only=True)
+    seconds["compile"] = time.perf_counter() - t0
+    _dump(options.dump_dir, "final.hlo", final)
+    return dict(final=final, planned=handed, emitted=handed, scheduled=handed, passes=records, pins=0,
+                via="backend_only", **memory)
+
+
+def _pinned(stock, options, cluster, cost_model, seconds: dict) -> dict:
+    """The pin path (module docstring); raises on any failure (the caller falls back)."""
+    from concerto_jax import pipeline
+
+    t0 = time.perf_counter()
+    pipeline_result = pipeline.run(stock.post_spmd_text, _pipeline_options(options))
+    seconds["pipeline"] = time.perf_counter() - t0
+    _dump(options.dump_dir, "emitted.hlo", pipeline_result.text)
+    scheduled = _scheduled(pipeline_result.text)
+    _dump(options.dump_dir, "scheduled.hlo", scheduled)
+    devices = _devices_of(stock.compiled)
+    final, _, dt = compile_replicated_for_target(pipeline_result.text, devices, dict(options.compiler_options))
+    seconds["compile"] = dt
+    _dump(options.dump_dir, "final.hlo", final)
+    pins = sum(int(rec.stats.get("pinned", 0)) for rec in pipeline_result.passes if rec.name == "pin")
+    return dict(final=final, emitted=pipeline_result.text, scheduled=scheduled, passes=pipeline_result.passes,
+                pins=pins, via="pin")
 
 
 def _scheduled(text: str) -> str | None:

@@ -1,9 +1,13 @@
 /* concerto_jax NCCL tuner plugin (API v3 and v4): answers getCollInfo from a *live* table file.
  *
- * Table: path in $CONCERTO_NCCL_TUNER_TABLE. Format (version 2):
- *   concerto-tuner-table 2                       first non-comment line
+ * Table: path in $CONCERTO_NCCL_TUNER_TABLE. Format (version 3):
+ *   concerto-tuner-table 3                       first non-comment line
  *   <coll> <min_bytes> <max_bytes> <nranks> <occ> <algorithm> <protocol> <channels>   one rule a line
- *   end <number of rules>                        last non-comment line
+ *   end <number of rules> crc32=<8 hex digits>   last line, ends with a newline
+ * crc32: CRC-32 (zlib's, as Python's zlib.crc32) of every byte of the file before the end line
+ *   (header, comments, blank lines, rules, their newlines). With the rule count it makes the table
+ *   self-validating: a prefix of a table has no end line, and a file mixing two versions (an in-place
+ *   writer that did not truncate, or was caught half way) fails the checksum.
  * coll: allreduce|allgather|reducescatter|broadcast|reduce|*
  * nranks: communicator size the rule applies to, or * for any.
  * occ: k/p = only the k-th (0-based, modulo p) call of this collective type and size
@@ -15,14 +19,22 @@
  * '#' starts a comment. The first matching rule wins.
  *
  * Live: every getCollInfo (or at most every $CONCERTO_NCCL_TUNER_POLL_US microseconds) stats the
- * path; when (device, inode, size, mtime, ctime) changed, the file is parsed completely into a new
- * table, validated (header, every line, the `end` count: a half-written file fails), and only then
- * published with one atomic pointer store. A reader loads the pointer once per call, so it sees one
- * whole table. Replaced tables are kept until destroy (never freed while a reader may hold them).
- * A bad or vanished table keeps the last good one (warning once per file version); with no good
+ * path; when (device, inode, size, mtime, ctime) changed, one thread (trylock; the others go on with
+ * the current table) opens the file, takes its identity with fstat, reads it whole, validates it
+ * (header, every line, the end count and checksum) and only then publishes it with one release
+ * store. A reader does one acquire load per call, so it sees one whole table. Replaced tables are
+ * kept until destroy (never freed while a reader may hold them).
+ * "Racy" files: a file whose mtime/ctime is within $CONCERTO_NCCL_TUNER_RACY_US (default
+ * DEFAULT_RACY_NS) of the moment it was read may still be
+ * changed without its identity changing (coarse file timestamps, inode numbers reused by the next
+ * rename of a same-size table). Such a file is read again at the next look until it is older than
+ * that (at most every RACY_RECHECK_NS); content identical to what was read last (same CRC and
+ * length) is then ignored (no second warning, no reload).
+ * A bad or vanished table keeps the last good one (one warning per file version); with no good
  * table ever loaded, NCCL's own choices apply. Never aborts.
  *
- * Writers should write a temporary file and rename(2) it over the path (atomic).
+ * Writers should write a temporary file and rename(2) it over the path (atomic); an in-place writer
+ * is safe too (its partial or mixed states are rejected), only slower to be picked up.
  *
  * References: AutoCCL NSDI'25 §5 (per-collective configuration inside NCCL, changed online).
  */
@@ -35,12 +47,18 @@
 #include <strings.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
+#include <fcntl.h>
 
 #include "concerto_tuner_api.h"
 
 #define MAX_RULES 65536
 #define SIZE_CLASSES 64
 #define ANY (-1)
+#define TABLE_VERSION 3
+#define MAX_TABLE_BYTES (16 << 20)
+#define DEFAULT_RACY_NS 25000000LL /* 25 ms: above coarse file timestamp granularity (one jiffy, <= 10 ms) */
+#define RACY_RECHECK_NS 1000000LL  /* a racy file is read again at most every 1 ms */
 
 typedef struct {
   int coll;                        /* ncclFunc_t or ANY */
@@ -69,10 +87,15 @@ typedef struct {
   size_t n_ranks;
   char* path;                      /* NULL: no table configured */
   long long poll_ns;
+  long long racy_ns;               /* a file modified this recently is read again */
   table_t* current;                /* atomic; NULL = NCCL defaults */
   table_t* retired;                /* guarded by lock */
   pthread_mutex_t lock;            /* one reloader at a time */
-  file_id_t seen;                  /* guarded by lock */
+  file_id_t seen;                  /* guarded by lock: identity of the file last read (fstat) */
+  int seen_racy;                   /* guarded by lock: read again (at most every RACY_RECHECK_NS) */
+  long long racy_read_ns;          /* guarded by lock: when a racy file was read last */
+  uint32_t seen_crc;               /* guarded by lock: CRC-32 and length of the bytes last read */
+  size_t seen_len;
   long long last_check_ns;         /* atomic */
   unsigned long long reloads, rejects; /* guarded by lock */
 } context_t;
@@ -103,16 +126,50 @@ static int size_class(size_t n) {
   return c;
 }
 
-static file_id_t file_id(const char* path) {
+static long long realtime_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static file_id_t id_of(const struct stat* s) {
   file_id_t id;
   memset(&id, 0, sizeof id);
-  struct stat st;
-  if (stat(path, &st) != 0) return id;
+  const struct stat st = *s;
   id.exists = 1;
   id.dev = st.st_dev; id.ino = st.st_ino; id.size = st.st_size;
   id.mtime_ns = (long long)st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec;
   id.ctime_ns = (long long)st.st_ctim.tv_sec * 1000000000LL + st.st_ctim.tv_nsec;
   return id;
+}
+
+static file_id_t file_id(const char* path) {
+  struct stat st;
+  if (stat(path, &st) != 0) {
+    file_id_t none;
+    memset(&none, 0, sizeof none);
+    return none;
+  }
+  return id_of(&st);
+}
+
+/* CRC-32 (IEEE 802.3 polynomial, reflected; the same as zlib.crc32), one table lookup a byte. */
+static uint32_t crc_table[256];
+static pthread_once_t crc_once = PTHREAD_ONCE_INIT;
+
+static void crc_init(void) {
+  for (uint32_t i = 0; i < 256; i++) {
+    uint32_t c = i;
+    for (int k = 0; k < 8; k++) c = (c >> 1) ^ (0xEDB88320u & (0u - (c & 1u)));
+    crc_table[i] = c;
+  }
+}
+
+static uint32_t crc32_update(uint32_t crc, const char* p, size_t n) {
+  pthread_once(&crc_once, crc_init);
+  crc = ~crc;
+  for (size_t i = 0; i < n; i++) crc = crc_table[(crc ^ (unsigned char)p[i]) & 0xFFu] ^ (crc >> 8);
+  return ~crc;
 }
 
 static int same_id(const file_id_t* a, const file_id_t* b) {
@@ -140,35 +197,93 @@ static int parse_rule(char* line, rule_t* r) {
   return 0;
 }
 
-/* Parses the whole file into a new table; NULL (and *why set) when anything is wrong. */
-static table_t* parse_table(const char* path, const char** why, int* bad_line) {
+static const char kVanished[] = "file vanished";
+
+typedef struct {
+  char* data;
+  size_t len;
+  file_id_t id;                    /* fstat of the descriptor that was read */
+} file_bytes_t;
+
+/* Opens, fstats and reads the whole file (what a concurrent writer leaves there may be anything:
+ * the parser decides). 0 on success; -1 with *why set otherwise. */
+static int read_whole(const char* path, file_bytes_t* out, const char** why) {
+  memset(out, 0, sizeof *out);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) { *why = errno == ENOENT ? kVanished : "cannot open the file"; return -1; }
+  struct stat st;
+  if (fstat(fd, &st) != 0) { close(fd); *why = "cannot stat the file"; return -1; }
+  out->id = id_of(&st);
+  size_t cap = st.st_size > 0 && st.st_size < MAX_TABLE_BYTES ? (size_t)st.st_size + 1 : 4096;
+  out->data = malloc(cap);
+  *why = NULL;
+  while (out->data) {
+    if (out->len == cap) {
+      if (cap >= MAX_TABLE_BYTES) { *why = "file too large"; break; }
+      char* bigger = realloc(out->data, cap * 2);
+      if (!bigger) break;
+      out->data = bigger;
+      cap *= 2;
+    }
+    ssize_t got = read(fd, out->data + out->len, cap - out->len);
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) { *why = "read error"; break; }
+    if (got == 0) break;
+    out->len += (size_t)got;
+  }
+  close(fd);
+  if (!out->data && !*why) *why = "out of memory";
+  if (*why) { free(out->data); out->data = NULL; return -1; }
+  return 0;
+}
+
+/* Parses and validates a whole table (bytes of one read of the file); NULL (and *why set) when
+ * anything is wrong: header, any rule, the end line (count, checksum), text after it. */
+static table_t* parse_table(const char* data, size_t len, const char** why, int* bad_line) {
   *bad_line = 0;
-  FILE* f = fopen(path, "r");
-  if (!f) { *why = strerror(errno); return NULL; }
+  *why = NULL;
+  if (memchr(data, '\0', len)) { *why = "NUL byte in the file (garbage or a hole from a concurrent writer)"; return NULL; }
   table_t* t = calloc(1, sizeof(table_t) + 64 * sizeof(rule_t));
   int cap = 64, lineno = 0, header = 0, ended = 0;
   char line[512];
-  *why = NULL;
-  while (t && fgets(line, sizeof line, f)) {
+  size_t pos = 0;
+  while (t && pos < len) {
+    const char* start = data + pos;
+    const char* nl = memchr(start, '\n', len - pos);
     lineno++;
-    if (!strchr(line, '\n') && !feof(f)) { *why = "line too long"; break; }
+    if (!nl) { *why = "last line has no newline (truncated or half-written file)"; break; }
+    size_t n = (size_t)(nl - start);
+    if (n >= sizeof line) { *why = "line too long"; break; }
+    memcpy(line, start, n);
+    line[n] = '\0';
+    size_t line_start = pos;
+    pos += n + 1;
+    if (ended) { *why = "text after the end line (a longer old table under a shorter new one?)"; break; }
     char* hash = strchr(line, '#');
     if (hash) *hash = '\0';
-    char word[32], extra[8];
+    char word[32], extra[8], sum[32];
     int n_end;
     if (sscanf(line, "%31s", word) != 1) continue; /* blank or comment */
-    if (ended) { *why = "text after the end line"; break; }
     if (!header) {
       int version;
-      if (sscanf(line, "concerto-tuner-table %d %7s", &version, extra) != 1 || version != 2) {
-        *why = "missing header 'concerto-tuner-table 2'"; break;
+      if (sscanf(line, "concerto-tuner-table %d %7s", &version, extra) != 1 || version != TABLE_VERSION) {
+        *why = (sscanf(line, "concerto-tuner-table %d", &version) == 1 && version == 2)
+                   ? "version 2 table (no checksum): write 'concerto-tuner-table 3' tables (autoccl.plugin.write_table)"
+                   : "missing header 'concerto-tuner-table 3'";
+        break;
       }
       header = 1;
       continue;
     }
     if (!strcmp(word, "end")) {
-      if (sscanf(line, "end %d %7s", &n_end, extra) != 1 || n_end != t->n_rules) {
+      if (sscanf(line, "end %d %31s %7s", &n_end, sum, extra) != 2 || n_end != t->n_rules) {
         *why = "end line count differs from the rules read"; break;
+      }
+      char* hex_end = NULL;
+      unsigned long want = strncmp(sum, "crc32=", 6) || strlen(sum) != 14 ? 0 : strtoul(sum + 6, &hex_end, 16);
+      if (!hex_end || *hex_end) { *why = "end line without 'crc32=<8 hex digits>'"; break; }
+      if ((uint32_t)want != crc32_update(0, data, line_start)) {
+        *why = "checksum mismatch (a partly rewritten or mixed file)"; break;
       }
       ended = 1;
       continue;
@@ -183,7 +298,6 @@ static table_t* parse_table(const char* path, const char** why, int* bad_line) {
     if (parse_rule(line, &t->rules[t->n_rules]) != 0) { *why = "malformed rule"; break; }
     t->n_rules++;
   }
-  fclose(f);
   if (!t && !*why) *why = "out of memory";
   if (!*why && !header) *why = "empty file";
   if (!*why && !ended) *why = "no end line (truncated or half-written file)";
@@ -191,7 +305,10 @@ static table_t* parse_table(const char* path, const char** why, int* bad_line) {
   return t;
 }
 
-/* Re-reads the table if the file changed since the last look. Cheap when nothing changed. */
+static long long llabs_diff(long long a, long long b) { return a > b ? a - b : b - a; }
+
+/* Re-reads the table if the file changed since the last look (or was racy then). Cheap (one stat)
+ * when nothing changed. Caller: any thread; at most one reloads at a time, the others go on. */
 static void maybe_reload(context_t* ctx) {
   if (!ctx->path) return;
   if (ctx->poll_ns > 0) {
@@ -201,29 +318,54 @@ static void maybe_reload(context_t* ctx) {
   }
   if (pthread_mutex_trylock(&ctx->lock) != 0) return; /* another thread is reloading */
   file_id_t id = file_id(ctx->path);
-  if (!same_id(&id, &ctx->seen)) {
+  int changed = !same_id(&id, &ctx->seen);
+  if (!changed && (!ctx->seen_racy || now_ns() - ctx->racy_read_ns < RACY_RECHECK_NS)) {
+    pthread_mutex_unlock(&ctx->lock);
+    return;
+  }
+  table_t* old = __atomic_load_n(&ctx->current, __ATOMIC_ACQUIRE);
+  const char* keep = old ? "keeping the last good table" : "using NCCL defaults";
+  file_bytes_t fb;
+  const char* why = NULL;
+  long long t_read = realtime_ns(); /* before the read: a later write gets a later timestamp */
+  if (!id.exists || read_whole(ctx->path, &fb, &why) != 0) {
+    if (id.exists && why == kVanished) { /* removed between stat and open */
+      memset(&id, 0, sizeof id);
+      changed = !same_id(&id, &ctx->seen);
+    }
+    if (changed) {
+      if (!id.exists) LOG(ctx, NCCL_LOG_WARN, "concerto tuner: table %s missing; %s", ctx->path, keep);
+      else LOG(ctx, NCCL_LOG_WARN, "concerto tuner: table %s unreadable (%s); %s", ctx->path, why, keep);
+    }
     ctx->seen = id;
-    table_t* old = __atomic_load_n(&ctx->current, __ATOMIC_ACQUIRE);
-    if (!id.exists) {
-      LOG(ctx, NCCL_LOG_WARN, "concerto tuner: table %s missing; %s", ctx->path,
-          old ? "keeping the last good table" : "using NCCL defaults");
+    ctx->seen_racy = 0;
+    ctx->seen_len = (size_t)-1;
+    pthread_mutex_unlock(&ctx->lock);
+    return;
+  }
+  uint32_t crc = crc32_update(0, fb.data, fb.len);
+  int same_version = same_id(&fb.id, &ctx->seen) && crc == ctx->seen_crc && fb.len == ctx->seen_len;
+  long long stamp = fb.id.mtime_ns > fb.id.ctime_ns ? fb.id.mtime_ns : fb.id.ctime_ns;
+  ctx->seen = fb.id;
+  ctx->seen_racy = llabs_diff(t_read, stamp) < ctx->racy_ns;
+  ctx->racy_read_ns = now_ns();
+  ctx->seen_crc = crc;
+  ctx->seen_len = fb.len;
+  if (!same_version) { /* a racy re-read of the same bytes changes nothing (and warns no more) */
+    int bad_line;
+    table_t* t = parse_table(fb.data, fb.len, &why, &bad_line);
+    if (!t) {
+      ctx->rejects++;
+      LOG(ctx, NCCL_LOG_WARN, "concerto tuner: table %s rejected (%s, line %d); %s", ctx->path, why, bad_line, keep);
     } else {
-      const char* why;
-      int bad_line;
-      table_t* t = parse_table(ctx->path, &why, &bad_line);
-      if (!t) {
-        ctx->rejects++;
-        LOG(ctx, NCCL_LOG_WARN, "concerto tuner: table %s rejected (%s, line %d); %s", ctx->path, why, bad_line,
-            old ? "keeping the last good table" : "using NCCL defaults");
-      } else {
-        __atomic_store_n(&ctx->current, t, __ATOMIC_RELEASE);
-        if (old) { old->retired_next = ctx->retired; ctx->retired = old; }
-        ctx->reloads++;
-        LOG(ctx, NCCL_LOG_INFO, "concerto tuner: %d rule(s) loaded from %s (load %llu)", t->n_rules, ctx->path,
-            ctx->reloads);
-      }
+      __atomic_store_n(&ctx->current, t, __ATOMIC_RELEASE);
+      if (old) { old->retired_next = ctx->retired; ctx->retired = old; }
+      ctx->reloads++;
+      LOG(ctx, NCCL_LOG_INFO, "concerto tuner: %d rule(s) loaded from %s (load %llu)", t->n_rules, ctx->path,
+          ctx->reloads);
     }
   }
+  free(fb.data);
   pthread_mutex_unlock(&ctx->lock);
 }
 
@@ -236,6 +378,8 @@ static ncclResult_t concerto_init(size_t nRanks, size_t nNodes, ncclDebugLogger_
   const char* path = getenv(CONCERTO_TUNER_TABLE_ENV);
   const char* poll = getenv(CONCERTO_TUNER_POLL_ENV);
   ctx->poll_ns = poll ? atoll(poll) * 1000LL : 0;
+  const char* racy = getenv(CONCERTO_TUNER_RACY_ENV);
+  ctx->racy_ns = racy && *racy ? atoll(racy) * 1000LL : DEFAULT_RACY_NS;
   ctx->last_check_ns = now_ns() - ctx->poll_ns - 1; /* the first call always looks */
   if (!path || !*path) {
     LOG(ctx, NCCL_LOG_WARN, "concerto tuner: %s not set; using NCCL defaults", CONCERTO_TUNER_TABLE_ENV);

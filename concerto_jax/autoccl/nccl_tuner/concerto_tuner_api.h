@@ -85,5 +85,9 @@ typedef struct {
 #define CONCERTO_TUNER_TABLE_ENV "CONCERTO_NCCL_TUNER_TABLE"
 /* Minimum microseconds between two checks of the table file (default 0: every call). */
 #define CONCERTO_TUNER_POLL_ENV "CONCERTO_NCCL_TUNER_POLL_US"
+/* Microseconds during which a just-modified table file is read again even if its identity
+ * (inode, size, mtime, ctime) did not change (default 25000; raise it on file systems with
+ * coarse timestamps, e.g. 2000000 for 1-second ones). */
+#define CONCERTO_TUNER_RACY_ENV "CONCERTO_NCCL_TUNER_RACY_US"
 
 #endif /* CONCERTO_TUNER_API_H_ */
