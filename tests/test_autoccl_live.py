@@ -160,7 +160,7 @@ def test_concurrent_swaps_under_sanitizers(tmp_path, kind):
         pytest.skip(f"compiler without the {kind} sanitizer: {str(e)[:200]}")
     out, stats = _stress(harness, lib, tmp_path / "stress.txt", 2)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "Sanitizer" not in out.stderr, out.stderr[-3000:]
+    assert "Sanitizer" not in out.stderr and "runtime error" not in out.stderr, out.stderr[-3000:]
     assert stats["bad"] == 0 and stats["tables_seen"] > 5
 
 

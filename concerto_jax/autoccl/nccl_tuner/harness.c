@@ -215,7 +215,8 @@ static void* reader(void* arg) {
     float table[NUM_ALGO][NUM_PROTO];
     int channels, algo, proto;
     int k = rand_r(&seed) % 40;
-    size_t bytes = (k == 0) ? 1 : ((size_t)1 << k) + (size_t)(rand_r(&seed) % (1 << k));
+    size_t span = (size_t)1 << k; /* size class k: [2^k, 2^(k+1)) */
+    size_t bytes = (k == 0) ? 1 : span + (size_t)rand_r(&seed) % span;
     ncclResult_t rc = call(ctx, colls[rand_r(&seed) % 3], bytes, table, &channels);
     chosen(table, &algo, &proto);
     st->calls++;
