@@ -105,7 +105,7 @@ def markdown(rows: Sequence[dict], command: str, elapsed: float) -> str:
     head = ["# Fidelity and gain: XLA's final module of our program vs the plan and vs stock XLA", "",
             f"Command: `{command}` ({elapsed:.0f} s). Simulated us/step (one cost model per target, "
             "overlap slowdown included). via backend_only: planned = the module we handed XLA's backend "
-            "(XLA's after-LHS module in our order), in its order; via pin: planned = the pinned fused graph "
+            "(XLA's scheduled module in our order), in its order; via pin: planned = the pinned fused graph "
             "XLA runs with every collective started as soon as its operands allow and waited for right "
             "before its first reader. final: "
             "XLA's final module of our program in XLA's order; stock: XLA's final module of the original "
