@@ -34,12 +34,14 @@ def main(argv=None) -> int:
 
     concerto_vs_xla.add_arguments(sub.add_parser(
         "concerto", help="Concerto(S) vs stock XLA on the same fused graph, simulated"))
-    fid = sub.add_parser("fidelity", help="XLA's final module of our pinned program vs plan vs stock XLA")
+    fid = sub.add_parser("fidelity", help="XLA's final module of our program vs plan vs stock XLA")
     fid.add_argument("--case", action="append", help="run only this case (repeatable)")
     fid.add_argument("--quick", action="store_true", help="run only the quick subset")
     fid.add_argument("--out", default="bench/results", help="output directory")
     fid.add_argument("--prefix", default=None, help="result file prefix (default: fidelity[_quick])")
     fid.add_argument("--dump-dir", default=None, help="write each case's modules under this directory")
+    fid.add_argument("--via", default="backend_only", choices=("backend_only", "pin"),
+                     help="compile_for_target's path (default: backend_only)")
     fid.add_argument("-v", "--verbose", action="store_true")
     d = sub.add_parser("decompose", help="stock XLA vs Concerto(S) vs Concerto(S+AD), XLA's final module")
     d.add_argument("--case", action="append", help="run only this case (repeatable)")
@@ -70,9 +72,10 @@ def main(argv=None) -> int:
 
         prefix = args.prefix or ("fidelity_quick" if args.quick or args.case else "fidelity")
         cmd = " ".join(["python -m bench.cli fidelity"] + [f"--case {c}" for c in args.case or ()]
-                       + (["--quick"] if args.quick else []))
+                       + (["--quick"] if args.quick else []) + (["--via", args.via] if args.via != "backend_only" else []))
         rows = fidelity.run(suite.select_cases(args.case, args.quick),
-                            fidelity.FidelityOptions(out_dir=args.out, prefix=prefix, dump_dir=args.dump_dir), cmd)
+                            fidelity.FidelityOptions(out_dir=args.out, prefix=prefix, dump_dir=args.dump_dir,
+                                                     via=args.via), cmd)
         with open(os.path.join(args.out, f"{prefix}.md")) as f:
             sys.stdout.write(f.read())
         return 0 if all(not str(r["status"]).startswith("error") for r in rows) else 1

@@ -1,13 +1,15 @@
-"""Fidelity and gain: does XLA's final module of our pinned program keep the plan, and beat stock XLA?
+"""Fidelity and gain: does XLA's final module of our program keep the plan, and beat stock XLA?
 
 For every suite case (``bench.suite``): ``concerto_jax.compile_for_target`` with
-``Options(passes=("schedule",))`` (the ``pin`` pass follows ``schedule``), deviceless
-for the case's cluster. Columns (simulated us/step, one cost model,
-``concerto_jax.target.fidelity``): planned (the pinned graph XLA runs, every
-collective's window opened as pinned), final (XLA's final module of our
-program, XLA's order), stock (XLA's final module of the original step), the
-overlap kept, the pins, and the three checks ``final <= 1.02 planned``,
-``overlap_kept >= 0.95``, ``final < stock``. Every number comes from the run
+``Options(passes=("schedule",))``, deviceless for the case's cluster, by default on the
+backend-only path (our scheduler orders XLA's after-LHS module, XLA's backend compiles it
+as is; ``--via pin`` for the opt-barrier path). Columns (simulated us/step, one cost model,
+``concerto_jax.target.fidelity``): planned (backend-only: the module we handed XLA in its
+order; pin: the pinned graph XLA runs with every collective's window opened as pinned),
+final (XLA's final module of our program), stock (XLA's final module of the original
+step), the overlap kept, the pins, the memory peak of XLA's and our order (scheduler's
+model), and the three checks ``final <= 1.02 planned``, ``overlap_kept >= 0.95``,
+``final < stock``. Every number comes from the run
 that writes it. Command line::
 
     python -m bench.cli fidelity [--case NAME] [--quick]
@@ -27,10 +29,11 @@ from bench import suite
 log = logging.getLogger(__name__)
 
 COLUMNS = (
-    "case", "status", "cluster", "mesh", "planned_step_us", "final_step_us", "stock_step_us",
+    "case", "status", "via", "cluster", "mesh", "planned_step_us", "final_step_us", "stock_step_us",
     "gain_vs_stock", "overlap_kept", "planned_overlap_us", "final_overlap_us", "pins", "windows",
     "fidelity_ok", "overlap_ok", "faster_than_stock", "schedule_pass_program_us", "schedule_pass_us",
-    "schedule_pass_s", "stock_compile_s", "compile_s", "fallback_reason", "case_wall_s",
+    "schedule_pass_s", "stock_compile_s", "compile_s", "input_peak_mib", "peak_mib", "memory_limit_mib",
+    "fallback_reason", "case_wall_s",
 )
 
 
@@ -43,12 +46,14 @@ class FidelityOptions:
       prefix: file-name prefix.
       passes: the pipeline's passes (``pin`` is added after ``schedule``).
       dump_dir: if set, each case's modules go to ``<dump_dir>/<case>/``.
+      via: ``compile_for_target``'s path (``"backend_only"`` or ``"pin"``).
     """
 
     out_dir: str = "bench/results"
     prefix: str = "fidelity"
     passes: tuple[str, ...] = ("schedule",)
     dump_dir: str | None = None
+    via: str = "backend_only"
 
 
 def run_case(case, options: FidelityOptions, *, export_trace: bool = False) -> dict:
@@ -68,7 +73,8 @@ def run_case(case, options: FidelityOptions, *, export_trace: bool = False) -> d
         passes=options.passes, target=case.cluster, compiler_options=dict(case.xla_options),
         dump_dir=os.path.join(options.dump_dir, case.name) if options.dump_dir else None)
     res = concerto_jax.compile_for_target(mcase.step, mcase.abstract_state, mcase.abstract_batch,
-                                          target=case.cluster, options=opts)
+                                          target=case.cluster, options=opts, via=options.via)
+    mib = lambda b: round(b / 2**20, 1) if b is not None else ""  # noqa: E731
     row.update(planned_step_us=res.planned_step_us, final_step_us=res.final_step_us,
                stock_step_us=res.stock_step_us, overlap_kept=res.overlap_kept,
                planned_overlap_us=res.planned_overlap_us, final_overlap_us=res.final_overlap_us,
@@ -76,7 +82,9 @@ def run_case(case, options: FidelityOptions, *, export_trace: bool = False) -> d
                gain_vs_stock=round(res.stock_step_us / res.final_step_us, 4) if res.final_step_us else "",
                fidelity_ok=res.final_step_us <= 1.02 * res.planned_step_us,
                overlap_ok=res.overlap_kept >= 0.95, faster_than_stock=res.final_step_us < res.stock_step_us,
-               stock_compile_s=res.seconds.get("stock_compile", ""), compile_s=res.seconds.get("compile", ""))
+               stock_compile_s=res.seconds.get("stock_compile", ""), compile_s=res.seconds.get("compile", ""),
+               via=res.via, input_peak_mib=mib(res.input_peak_bytes), peak_mib=mib(res.peak_bytes),
+               memory_limit_mib=mib(res.memory_limit_bytes))
     for rec in res.passes:
         if rec.name == "schedule":
             row.update(schedule_pass_program_us=rec.stats.get("program_order_us", ""),
@@ -88,19 +96,22 @@ def run_case(case, options: FidelityOptions, *, export_trace: bool = False) -> d
     return row
 
 
-_MD_COLUMNS = ("case", "planned_step_us", "final_step_us", "stock_step_us", "gain_vs_stock", "overlap_kept",
-               "pins", "fidelity_ok", "overlap_ok", "faster_than_stock", "status")
+_MD_COLUMNS = ("case", "via", "planned_step_us", "final_step_us", "stock_step_us", "gain_vs_stock", "overlap_kept",
+               "pins", "input_peak_mib", "peak_mib", "fidelity_ok", "overlap_ok", "faster_than_stock", "status")
 
 
 def markdown(rows: Sequence[dict], command: str, elapsed: float) -> str:
     """The results table with its legend."""
-    head = ["# Fidelity and gain: XLA's final module of our pinned program vs the plan and vs stock XLA", "",
+    head = ["# Fidelity and gain: XLA's final module of our program vs the plan and vs stock XLA", "",
             f"Command: `{command}` ({elapsed:.0f} s). Simulated us/step (one cost model per target, "
-            "overlap slowdown included). planned: the pinned fused graph XLA runs with every collective "
-            "started as soon as its operands allow and waited for right before its first reader; final: "
+            "overlap slowdown included). via backend_only: planned = the module we handed XLA's backend "
+            "(XLA's scheduled module in our order), in its order; via pin: planned = the pinned fused graph "
+            "XLA runs with every collective started as soon as its operands allow and waited for right "
+            "before its first reader. final: "
             "XLA's final module of our program in XLA's order; stock: XLA's final module of the original "
             "step. Checks: fidelity_ok = final <= 1.02 planned; overlap_ok = overlap_kept >= 0.95; "
-            "faster_than_stock = final < stock.", "",
+            "faster_than_stock = final < stock. input_peak_mib / peak_mib: peak live memory of XLA's / our "
+            "order of the entry (scheduler's memory model; the limit is the input's peak).", "",
             "| " + " | ".join(_MD_COLUMNS) + " |", "|" + "---|" * len(_MD_COLUMNS)]
     for r in rows:
         head.append("| " + " | ".join(str(r.get(c, "")) for c in _MD_COLUMNS) + " |")

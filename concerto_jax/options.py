@@ -96,9 +96,11 @@ XLA's scheduler keeps its overlap windows."""
 
 GPU_DEFAULT_PASSES: tuple[str, ...] = ()
 """Passes ``optimize`` runs when the user gives no ``Options`` and the step runs on GPUs.
-Empty for now: on the bench suite XLA's final module of the pinned plan simulates slower
-than stock XLA (``bench/results/fidelity.md``: barriers block fusion and collective
-combining). Set it to ``GPU_PLAN_PASSES`` once that table shows gains."""
+Empty for now: ``optimize`` on a GPU can only reach XLA through JAX's compile path, where
+the plan needs pins, and XLA's final module of the pinned plan simulates slower than stock
+XLA (``bench/results/fidelity_pin.md``: barriers block fusion and collective combining).
+The pin-free backend-only path (``compile_for_target``'s default) is deviceless only so far
+(WORKSPACE_NOTES issue #9 says what ``optimize`` needs for it)."""
 
 _GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
 

@@ -85,7 +85,7 @@ def test_compile_for_target_backend_only_keeps_our_order(tmp_path):
     res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=concerto_jax.Options(
         passes=("schedule",), fallback=False, dump_dir=str(tmp_path)))
     assert res.fallback_reason is None and res.via == "backend_only" and res.pins == 0
-    assert [p.name for p in res.passes] == ["schedule"] and res.passes[0].stats["on"] == "xla_after_lhs"
+    assert [p.name for p in res.passes] == ["schedule"] and res.passes[0].stats["on"] == "xla_scheduled"
     assert "opt-barrier" not in res.emitted_text and "is_scheduled=true" in res.emitted_text
     handed = hlo_passes.parse_module(res.emitted_text)
     final = hlo_passes.parse_module(res.final_text)
@@ -101,5 +101,30 @@ def test_compile_for_target_backend_only_keeps_our_order(tmp_path):
     assert res.final_step_us <= 1.02 * res.planned_step_us and res.overlap_kept >= 0.95
     assert res.peak_bytes is not None and res.memory_limit_bytes is not None
     assert res.peak_bytes <= res.memory_limit_bytes
-    for name in ("captured.hlo", "xla_after_lhs.hlo", "emitted.hlo", "final.hlo", "stock_final.hlo"):
+    for name in ("captured.hlo", "xla_scheduled.hlo", "emitted.hlo", "final.hlo", "stock_final.hlo"):
         assert os.path.getsize(tmp_path / name) > 0
+
+
+@needs_plugin
+def test_backend_only_runs_rewriting_passes_before_xla(monkeypatch):
+    """A pass that rewrites the post-SPMD module runs first; XLA's pipeline then runs on OUR module
+    (replicated) up to its scheduler, and the backend-only compile takes that module."""
+    from concerto_jax import pipeline
+    from concerto_jax.pipeline import PassOutcome
+
+    seen = []
+
+    def touch(module, options):  # stands for decompose / fuse_collectives: reports a rewrite
+        seen.append(module.entry.name)
+        return PassOutcome(changed=True, stats={})
+
+    monkeypatch.setitem(pipeline.PASSES, "touch_for_test", touch)
+    monkeypatch.setitem(pipeline.PASS_TABLE, "touch_for_test", __name__)
+    step, args = _mlp()
+    res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=concerto_jax.Options(
+        passes=("touch_for_test", "schedule"), fallback=False))
+    assert seen and res.via == "backend_only"
+    assert [p.name for p in res.passes] == ["touch_for_test", "schedule"]
+    assert "xla_passes_compile" in res.seconds
+    assert "replica_count=8" in res.emitted_text.split("\n", 1)[0]  # our replicated module, XLA-scheduled
+    assert res.final_step_us <= 1.02 * res.planned_step_us

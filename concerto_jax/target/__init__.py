@@ -5,9 +5,10 @@ Pipeline: ``Cluster`` (``concerto_jax.costmodel.cluster``) -> ``topology`` /
 (XLA's final scheduled module, and the modules before/after its latency hiding
 scheduler), optionally steered by a PGLE profile from our cost model (``pgle``).
 
-``compile_for_target`` (``program``) runs the optimize pipeline on a step, pins
-the plan with opt-barriers, compiles our module for the target as a replicated
-program, and measures planned vs final vs stock step times (``fidelity``).
+``compile_for_target`` (``program``) runs the optimize pipeline on a step, has XLA's
+backend compile our order of XLA's own scheduled module through the PJRT C API
+(``pjrt_c``, ``native``; or pins the plan with opt-barriers, ``via="pin"``), and measures
+planned vs final vs stock step times (``fidelity``).
 """
 
 from concerto_jax.costmodel.cluster import CLUSTERS, Cluster, get_cluster

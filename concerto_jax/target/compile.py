@@ -97,6 +97,13 @@ def target_mesh(cluster: Cluster | str, shape: Sequence[int], axis_names: Sequen
                 axis_types=(AxisType.Auto,) * len(shape))
 
 
+SCHEDULED_PASS = "apply-xla-transforms"
+"""First pass of XLA's GPU post-scheduling pipelines (jaxlib 0.10.2); its ``before`` dump in
+the pipeline ``SCHEDULED_MARKER`` names is the scheduled module ``RunPostSchedulingPipelines``
+receives."""
+SCHEDULED_MARKER = "post-scheduler-xla-transforms.after_pipeline-start.before_apply-xla-transforms"
+
+
 @dataclasses.dataclass(frozen=True)
 class CompileOptions:
     """One compile variant.
@@ -108,6 +115,9 @@ class CompileOptions:
         operands above this size in MiB; None leaves it off (XLA default).
       dump_lhs: also return the modules just before and after the latency hiding scheduler.
       dump_spmd: also return the per-device module right after SPMD partitioning.
+      dump_scheduled: also return the module XLA's post-scheduling pipelines receive (the
+        schedule of ``ScheduleGpuModule``: LHS's where it runs, the memory scheduler's where it
+        does not, e.g. the A100 targets).
       extra: more XLA options (values must be Python bools where boolean).
     """
 
@@ -115,6 +125,7 @@ class CompileOptions:
     windowed_einsum_mib: float | None = None
     dump_lhs: bool = True
     dump_spmd: bool = False
+    dump_scheduled: bool = False
     extra: tuple[tuple[str, object], ...] = ()
 
     def compiler_options(self, dump_dir: str | None) -> dict[str, object]:
@@ -125,8 +136,9 @@ class CompileOptions:
             opts["xla_gpu_threshold_for_windowed_einsum_mib"] = int(self.windowed_einsum_mib)
         if dump_dir is not None:
             opts["xla_dump_to"] = dump_dir
-            opts["xla_dump_hlo_pass_re"] = ("spmd-partitioning|latency-hiding-scheduler" if self.dump_spmd
-                                             else "latency-hiding-scheduler")
+            opts["xla_dump_hlo_pass_re"] = "|".join(
+                (["spmd-partitioning"] if self.dump_spmd else []) + ["latency-hiding-scheduler"]
+                + ([SCHEDULED_PASS] if self.dump_scheduled else []))
         return opts
 
 
@@ -143,6 +155,8 @@ class TargetCompile:
       options: the XLA options used.
       post_spmd_text: the module right after SPMD partitioning (None unless ``dump_spmd``).
       compiled: JAX's ``Compiled`` object (None where the module was compiled outside JAX's jit).
+      scheduled_text: the module XLA's post-scheduling pipelines received (None unless
+        ``dump_scheduled``, or when XLA wrote no such dump).
     """
 
     cluster: Cluster
@@ -153,6 +167,7 @@ class TargetCompile:
     options: dict[str, object]
     post_spmd_text: str | None = None
     compiled: object = None
+    scheduled_text: str | None = None
 
 
 def _read_dump(dump_dir: str, marker: str) -> str | None:
@@ -176,16 +191,18 @@ def compile_lowered(lowered, cluster: Cluster, options: CompileOptions = Compile
     """
     require_gpu_plugin()
     with tempfile.TemporaryDirectory(prefix="concerto_lhs_") as d:
-        opts = options.compiler_options(d if options.dump_lhs or options.dump_spmd else None)
+        opts = options.compiler_options(d if options.dump_lhs or options.dump_spmd or options.dump_scheduled
+                                        else None)
         t0 = time.perf_counter()
         compiled = lowered.compile(compiler_options=opts)
         dt = time.perf_counter() - t0
         before = _read_dump(d, "before_latency-hiding-scheduler") if options.dump_lhs else None
         after = _read_dump(d, "after_latency-hiding-scheduler") if options.dump_lhs else None
         spmd = _read_dump(d, "after_spmd-partitioning") if options.dump_spmd else None
+        scheduled = _read_dump(d, SCHEDULED_MARKER) if options.dump_scheduled else None
     opts.pop("xla_dump_to", None)
     log.info("compiled for %s in %.1fs (options %s)", cluster.name, dt, opts)
-    return TargetCompile(cluster, compiled.as_text(), before, after, dt, opts, spmd, compiled)
+    return TargetCompile(cluster, compiled.as_text(), before, after, dt, opts, spmd, compiled, scheduled)
 
 
 def compile_fn(fn, abstract_args: Sequence, cluster: Cluster, *, in_shardings=None,

@@ -94,6 +94,45 @@ def permute_text(text: str, orders: dict[str, list[str]]) -> str:
     return "\n".join(out)
 
 
+_NO_KERNEL = frozenset({"parameter", "constant", "bitcast", "get-tuple-element", "tuple", "opt-barrier"})
+
+
+def join_idle_pairs(order: list) -> list:
+    """``order`` with each async collective's done moved up to its start when no kernel runs between them.
+
+    XLA's post-scheduling pipeline makes such a pair synchronous and moves its START down to
+    its done (observed on gpt_zero3_16: ``all-to-all-start, all-gather-start.4,
+    all-to-all-done`` came back as ``all-gather-start.4, all-to-all-start, all-to-all-done``,
+    which queues the all-to-all behind the all-gather). Moving the DONE up instead keeps the
+    collectives' issue order of our plan and leaves XLA nothing to move. Only instructions
+    that launch no kernel (``_NO_KERNEL``) or other async collective halves may sit between.
+    """
+    pos = {inst.name: k for k, inst in enumerate(order)}
+    moves = []
+    for k, inst in enumerate(order):
+        if inst.collective_kind is None or inst.async_role != "done":
+            continue
+        start = inst.async_start()
+        s = pos.get(start.name)
+        if s is None or s + 1 == k:
+            continue
+        between = order[s + 1:k]
+        idle = all(b.opcode in _NO_KERNEL or (b.collective_kind is not None and b.async_role is not None)
+                   for b in between)
+        mine = [b for b in between if b.collective_kind is not None and b.async_role == "update"
+                and b.async_start() is start]
+        needs = {o.name for o in list(inst.operands) + list(inst.control_predecessors)} - {start.name}
+        needs |= {o.name for b in mine for o in list(b.operands) + list(b.control_predecessors)} - {start.name}
+        if idle and not (needs & {b.name for b in between if b not in mine}):
+            moves.append((start.name, mine + [inst]))
+    for start_name, group in moves:
+        names = {g.name for g in group}
+        order = [i for i in order if i.name not in names]
+        at = next(k for k, i in enumerate(order) if i.name == start_name) + 1
+        order[at:at] = group
+    return order
+
+
 def reschedule_text(text: str, cost_model, options) -> Rescheduled:
     """Order every schedulable computation of XLA's scheduled module by our scheduler.
 
@@ -118,8 +157,13 @@ def reschedule_text(text: str, cost_model, options) -> Rescheduled:
             for comp in schedulable_computations(module)]
     if problems:
         log.warning("reschedule: not fully handled: %s", "; ".join(problems))
-    changed = tuple(c.name for c in done if c.changed)
-    orders = {c: [i.name for i in module.computation(c).instructions] for c in changed}
+    orders = {}
+    for c in done:
+        comp = module.computation(c.name)
+        order = join_idle_pairs(list(comp.instructions))
+        if c.changed or [i.name for i in order] != [i.name for i in comp.instructions]:
+            orders[c.name] = [i.name for i in order]
+    changed = tuple(orders)
     new_text = permute_text(text, orders) if orders else text
     entry = done[-1]
     log.info("reschedule: %d computations, %d changed; entry %.1f -> %.1f us (model)",

@@ -6,14 +6,15 @@ Two ways to make XLA's GPU compiler run our order (``via``):
 
     jitted step + abstract args on a target_mesh
       | stock compile       lower + compile for the target, dumps at spmd-partitioning and
-      |                     around latency-hiding-scheduler: the post-SPMD module, XLA's
-      |                     scheduled module of the original step (after LHS), its final module
+      |                     before the post-scheduling pipelines: the post-SPMD module, XLA's
+      |                     scheduled module of the original step (after LHS where LHS runs,
+      |                     the memory scheduler's order elsewhere), its final module
       | rewriting passes    the passes of Options.passes other than "schedule"/"pin" (e.g.
       |                     decompose, fuse_collectives) on the post-SPMD module; when one
       |                     changed it, XLA's pipeline runs on OUR module up to its scheduler
-      |                     (replicated compile with the LHS dump) and that after-LHS module
+      |                     (replicated compile with the same dump) and that scheduled module
       |                     is used instead
-      | schedule            our scheduler orders every computation of XLA's after-LHS module
+      | schedule            our scheduler orders every computation of XLA's scheduled module
       |                     (target.native.reschedule_text: no opt-barrier, XLA fused and
       |                     combined as usual); memory limit: ScheduleOptions' (default: the
       |                     starting order's peak)
@@ -42,6 +43,8 @@ import warnings
 from collections.abc import Sequence
 
 from concerto_jax.target.compile import (
+    SCHEDULED_MARKER,
+    SCHEDULED_PASS,
     CompileOptions,
     _read_dump,
     compile_lowered,
@@ -64,7 +67,7 @@ class TargetResult:
       final_text: XLA's final scheduled module of the optimised program (what the GPUs
         run); equals ``stock_final_text`` after a fallback.
       stock_final_text: XLA's final module of the original step, same target, stock options.
-      emitted_text: the module we handed to XLA (backend-only: XLA's after-LHS module in our
+      emitted_text: the module we handed to XLA (backend-only: XLA's scheduled module in our
         order; pin: replicated, pins included).
       scheduled_text: the same program as a scheduled module with explicit async
         start/done pairs at the planned positions (``hlo_passes.emit``), or None.
@@ -147,7 +150,8 @@ def compile_replicated_for_target(hlo_text: str, devices: Sequence, compiler_opt
 
     Returns:
       ``(final module text, before-LHS text or None, compile seconds)``; with ``after_lhs``
-      a fourth item, the after-LHS module (None when XLA wrote none).
+      a fourth item, the scheduled module XLA's post-scheduling pipelines received (after
+      LHS where it ran; None when XLA wrote none).
     """
     from jax._src.interpreters import mlir as jax_mlir
     from jax._src.lib import _jax
@@ -162,7 +166,7 @@ def compile_replicated_for_target(hlo_text: str, devices: Sequence, compiler_opt
     opts = replicated_compile_options(devices)
     with tempfile.TemporaryDirectory(prefix="concerto_target_") as d:
         env = dict(compiler_options or {})
-        env.update({"xla_dump_to": d, "xla_dump_hlo_pass_re": "latency-hiding-scheduler"})
+        env.update({"xla_dump_to": d, "xla_dump_hlo_pass_re": f"latency-hiding-scheduler|{SCHEDULED_PASS}"})
         opts.env_option_overrides = list(env.items())
         t0 = time.perf_counter()
         with jax_mlir.make_ir_context() as ctx:
@@ -171,7 +175,7 @@ def compile_replicated_for_target(hlo_text: str, devices: Sequence, compiler_opt
                                             compile_options=opts)
         dt = time.perf_counter() - t0
         before = _read_dump(d, "before_latency-hiding-scheduler")
-        after = _read_dump(d, "after_latency-hiding-scheduler")
+        after = _read_dump(d, SCHEDULED_MARKER) or _read_dump(d, "after_latency-hiding-scheduler")
     final = exe.hlo_modules()[0].to_string()
     return (final, before, dt, after) if after_lhs else (final, before, dt)
 
@@ -233,8 +237,8 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
     lowered = step.trace(*abstract_args, **abstract_kwargs).lower()
     seconds["lower"] = time.perf_counter() - t0
     xla_opts = tuple((k, v) for k, v in dict(options.compiler_options).items())
-    stock = compile_lowered(lowered, cluster, CompileOptions(dump_lhs=via == "backend_only", dump_spmd=True,
-                                                             extra=xla_opts))
+    stock = compile_lowered(lowered, cluster, CompileOptions(
+        dump_lhs=via == "backend_only", dump_spmd=True, dump_scheduled=via == "backend_only", extra=xla_opts))
     seconds["stock_compile"] = stock.compile_s
     if stock.post_spmd_text is None:
         raise RuntimeError("XLA wrote no post-SPMD module for the target compile; is XLA_FLAGS "
@@ -284,7 +288,9 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict) -> dict:
     env = dict(options.compiler_options)
     records: list = []
     rewriting = tuple(p for p in options.passes if p not in PLAN_PASSES)
-    scheduled_src = stock.after_lhs_text
+    # The module XLA's post-scheduling pipelines receive (= after LHS where LHS runs; the
+    # memory scheduler's order where it does not, e.g. the A100 targets).
+    scheduled_src = stock.scheduled_text or stock.after_lhs_text
     compile_options = pjrt_c.spmd_compile_options(len(devices), env, device_ids=[d.id for d in devices])
     if rewriting:
         t0 = time.perf_counter()
@@ -300,9 +306,10 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict) -> dict:
                 opts.env_option_overrides = list(env.items())
             compile_options = opts.SerializeAsString()
     if scheduled_src is None:
-        raise RuntimeError("XLA wrote no after-latency-hiding-scheduler module (the target ran no "
-                           "scheduler, or XLA_FLAGS overrides --xla_dump_to)")
-    _dump(options.dump_dir, "xla_after_lhs.hlo", scheduled_src)
+        raise RuntimeError("XLA wrote no scheduled module (no dump before its post-scheduling "
+                           "pipelines nor after its latency hiding scheduler; XLA_FLAGS overriding "
+                           "--xla_dump_to?)")
+    _dump(options.dump_dir, "xla_scheduled.hlo", scheduled_src)
     handed, memory = scheduled_src, {}
     if "schedule" in options.passes:
         t0 = time.perf_counter()
@@ -317,7 +324,7 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict) -> dict:
                  "gain": round(r.input_us / r.scheduled_us, 4) if r.scheduled_us > 0 else 1.0,
                  "source": entry.source, "input_peak_bytes": entry.input_peak_bytes,
                  "peak_bytes": entry.peak_bytes, "memory_limit_bytes": entry.memory_limit_bytes,
-                 "on": "xla_after_lhs"}
+                 "on": "xla_scheduled"}
         records.append(PassRecord("schedule", bool(r.changed), dt, stats))
         handed = r.text
         memory = dict(input_peak_bytes=entry.input_peak_bytes, peak_bytes=entry.peak_bytes,
