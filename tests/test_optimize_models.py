@@ -2,10 +2,10 @@
 module, equals step bitwise over 3 training steps, and the captured post-SPMD module survives our
 parse -> print round trip (XLA's canonical text of ours equals XLA's canonical text of the original).
 
-The default run covers every model and the layout styles the other tests do not already run through
-the recompile (SP, 2-D DAP, ZeRO-2/3 on convolutions, shard_map); every model x layout (22 cases,
-~8 min on 2 cores) runs with ``CONCERTO_FULL_SWEEP=1``. The round trip of every case's post-SPMD
-module is checked in the default run by tests/test_models.py (from the dump it already makes).
+The default run covers layout styles the other tests do not already run through the recompile (SP,
+ZeRO-2, 2-D DAP); every model x layout (22 cases, ~10 min on 2 cores) runs with
+``CONCERTO_FULL_SWEEP=1``. The round trip of the post-SPMD module of the cases
+tests/test_models.py trains is checked there too (from the dump it already makes).
 
 Both sides are compiled with the same fast XLA options (LLVM -O0) to keep the suite quick; the
 default options are covered by tests/test_optimize.py.
@@ -18,8 +18,9 @@ import hlo_passes
 import models
 from tests._helpers import FAST, FULL_SWEEP, run_bitwise_steps
 
-SUBSET = [("gpt", "tp_sp"), ("vit", "zero2"), ("evoformer", "dp_dap"), ("wideresnet", "zero3"),
-          ("gpt", "shard_map_dp")]
+# SP on GPT, ZeRO-2 on ViT, 2-D DAP on Evoformer; WideResNet (convolutions) and shard_map go
+# through the recompile in tests/test_robustness_models.py, DP x TP in tests/test_fuse_pass.py.
+SUBSET = [("gpt", "tp_sp"), ("vit", "zero2"), ("evoformer", "dp_dap")]
 CASES = models.list_cases() if FULL_SWEEP else SUBSET
 
 
@@ -46,7 +47,5 @@ def test_optimized_step_is_bitwise_equal(model, layout):
 
 
 def test_default_subset_is_registered():
-    """The default subset names real cases and covers every model."""
-    cases = set(models.list_cases())
-    assert set(SUBSET) <= cases
-    assert {m for m, _ in SUBSET} == {m for m, _ in cases}
+    """The default subset names real cases (a renamed layout must not silently drop one)."""
+    assert set(SUBSET) <= set(models.list_cases())
