@@ -4,18 +4,11 @@
   variadic collective, XLA's parser accepts the module, incompatible or dependent
   members are refused;
 * through ``optimize`` with ``fallback=False``: results bitwise equal to the original
-  step, with XLA:CPU's own all-reduce combiner on and off, on several model x layout cases;
+  step, with XLA:CPU's own all-reduce combiner on and off, on model x layout cases;
 * every name ``Options`` accepts is a registered pass and runs (derived from the table).
 """
 
-from functools import partial
-
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import concerto_jax
 import hlo_passes
@@ -23,35 +16,14 @@ import models
 from concerto_jax import pipeline
 from concerto_jax.capture import capture
 from hlo_passes.collective_fusion import fuse_group, fusion_key
-
-NO_COMBINER = {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
-FAST = {"xla_backend_optimization_level": 0}
-
-
-def _dp_mlp_step(layers=4, batch=2048):
-    mesh = jax.make_mesh((8,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
-    rep, dat = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
-
-    def loss(ws, x):
-        for w in ws:
-            x = jnp.tanh(x @ w)
-        return jnp.mean(x ** 2)
-
-    @partial(jax.jit, in_shardings=(rep, dat), out_shardings=(rep, rep))
-    def step(ws, x):
-        v, g = jax.value_and_grad(loss)(ws, x)
-        return [w - 0.1 * gw for w, gw in zip(ws, g, strict=True)], v
-
-    ks = jax.random.split(jax.random.key(0), layers + 1)
-    ws = [jax.device_put(jax.random.normal(k, (64, 64)) * 0.1, rep) for k in ks[:layers]]
-    x = jax.device_put(jax.random.normal(ks[-1], (batch, 64)), dat)
-    return step, ws, x
-
-
-def _assert_bitwise(got, want):
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+from tests._helpers import (
+    FAST,
+    FULL_SWEEP,
+    NO_COMBINER,
+    assert_tree_bitwise,
+    dp_mlp_step,
+    run_bitwise_steps,
+)
 
 
 def _all_reduces(module):
@@ -59,7 +31,7 @@ def _all_reduces(module):
 
 
 def test_rewrite_makes_one_variadic_all_reduce():
-    step, ws, x = _dp_mlp_step()
+    step, ws, x = dp_mlp_step(batch=2048)
     module = hlo_passes.parse_module(capture(step, (ws, x), {}).hlo_text)
     ars = _all_reduces(module)
     assert len(ars) >= 4, "one gradient all-reduce per layer expected"
@@ -109,10 +81,10 @@ ENTRY %main (p: f32[4]) -> (f32[4], f32[4], f32[4]) {
 
 @pytest.mark.parametrize("compiler_options", [{}, NO_COMBINER], ids=["xla-combiner", "no-combiner"])
 def test_fuse_pass_through_optimize_is_bitwise_equal(compiler_options):
-    step, ws, x = _dp_mlp_step()
+    step, ws, x = dp_mlp_step(batch=2048)
     opt = concerto_jax.optimize(step, concerto_jax.Options(
         passes=("fuse_collectives",), compiler_options=compiler_options, fallback=False))
-    _assert_bitwise(opt(ws, x), step(ws, x))
+    assert_tree_bitwise(opt(ws, x), step(ws, x))
     (record,) = opt.report().passes
     s = record.stats
     assert record.name == "fuse_collectives" and record.changed, s
@@ -136,7 +108,9 @@ def test_options_accept_exactly_the_registered_passes():
         concerto_jax.Options(passes="schedule")
 
 
-CASES = [("gpt", "dp_tp"), ("vit", "dp"), ("evoformer", "dap")]
+# Evoformer x DAP (all-to-alls; ~25-40 s on 2 cores) with CONCERTO_FULL_SWEEP=1; the DAP all-to-alls go
+# through the recompile by default in tests/test_optimize_models.py (evoformer-dp_dap).
+CASES = [("gpt", "dp_tp"), ("vit", "dp")] + ([("evoformer", "dap")] if FULL_SWEEP else [])
 
 
 @pytest.mark.parametrize(("model", "layout"), CASES, ids=[f"{m}-{lay}" for m, lay in CASES])
@@ -150,11 +124,7 @@ def test_every_accepted_pass_runs_on_models(model, layout):
     names = pipeline.pass_names()
     step = concerto_jax.optimize(case.step, concerto_jax.Options(
         passes=names, compiler_options={**FAST, **NO_COMBINER}, fallback=False))
-    ref, opt = case.init_state(0), case.init_state(0)
-    for _ in range(2):
-        ref, ref_metrics = reference(ref, case.batch)
-        opt, opt_metrics = step(opt, case.batch)
-        _assert_bitwise((opt, opt_metrics), (ref, ref_metrics))
+    run_bitwise_steps(reference, step, case, 2)
     report = step.report()
     assert report.optimized, report.fallback_reason
     assert [p.name for p in report.passes] == list(names)

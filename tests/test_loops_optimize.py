@@ -3,39 +3,26 @@ now reorders the while bodies of the layer loops, equals plain jit bitwise over 
 
 Both sides are compiled with the same fast XLA options (LLVM -O0). The whole matrix (18 cases)
 takes ~9 min on the 2-core dev machine, too long for the default suite: by default a subset
-covering TP, FSDP and 2-D layouts runs; ``CONCERTO_FULL_SCAN_MATRIX=1`` runs all.
+covering TP, FSDP and 2-D layouts runs; ``CONCERTO_FULL_SCAN_MATRIX=1`` (or ``CONCERTO_FULL_SWEEP=1``)
+runs all.
 
 evoformer x dap (scanned) is not bitwise even with the identity pipeline (``passes=()``, nothing
 reordered): the HLO -> StableHLO -> replicated-compile round trip changes its numerics. That is a
 round-trip problem of the executor, not of the schedule pass; the case is marked xfail (strict).
 """
 
-import os
-
-import jax
-import numpy as np
 import pytest
 
 import concerto_jax
 import models
+from tests._helpers import FAST, FULL_SCAN_MATRIX, run_bitwise_steps
 
 SCAN_MODELS = ("gpt", "vit", "evoformer")
 ALL = [(m, lay) for m, lay in models.list_cases() if m in SCAN_MODELS]
 # TP all-reduces, FSDP all-gathers, 2-D DP x TP (Evoformer compiles take ~1 min each: full matrix).
 SUBSET = {("gpt", "tp"), ("gpt", "zero3"), ("gpt", "dp_tp")}
-CASES = ALL if os.environ.get("CONCERTO_FULL_SCAN_MATRIX") == "1" else [c for c in ALL if c in SUBSET]
+CASES = ALL if FULL_SCAN_MATRIX else [c for c in ALL if c in SUBSET]
 ROUND_TRIP_NOT_BITWISE = {("evoformer", "dap")}
-FAST = {"xla_backend_optimization_level": 0}
-
-
-def _bitwise_diff(a, b) -> list[str]:
-    bad = []
-    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b), strict=True):
-        if x.dtype != y.dtype or x.shape != y.shape:
-            bad.append(f"{jax.tree_util.keystr(path)}: {x.dtype}{x.shape} vs {y.dtype}{y.shape}")
-        elif not np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True):
-            bad.append(f"{jax.tree_util.keystr(path)}: values differ")
-    return bad
 
 
 @pytest.mark.parametrize(("model", "layout"), [
@@ -48,12 +35,7 @@ def test_scanned_step_is_bitwise_equal(model, layout):
     reference = case.step.lower(case.state, case.batch).compile(compiler_options=FAST)
     step = concerto_jax.optimize(case.step, concerto_jax.Options(
         passes=("schedule",), compiler_options=FAST, fallback=False))
-    ref, opt = case.init_state(0), case.init_state(0)
-    for i in range(2):
-        ref, ref_metrics = reference(ref, case.batch)
-        opt, opt_metrics = step(opt, case.batch)
-        bad = _bitwise_diff((opt, opt_metrics), (ref, ref_metrics))
-        assert not bad, f"step {i}: {bad[:5]}"
+    run_bitwise_steps(reference, step, case, 2)
     report = step.report()
     assert report.optimized, report.fallback_reason
     (sched,) = report.passes

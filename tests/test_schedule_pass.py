@@ -1,13 +1,6 @@
 """The "schedule" pass inside optimize: valid order, never slower under the cost model, bitwise results."""
 
-from functools import partial
-
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import concerto_jax
 import concerto_jax.passes  # noqa: F401  (registers the passes)
@@ -17,35 +10,13 @@ from concerto_jax.capture import capture
 from concerto_jax.costmodel import CostModel, get_cluster
 from concerto_jax.hlo_taskgraph import build_taskgraph
 from concerto_jax.passes.schedule_pass import order_from_events
-
-
-def _dp_mlp_step():
-    mesh = jax.make_mesh((8,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
-    rep, dat = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
-
-    def loss(ws, x):
-        for w in ws:
-            x = jnp.tanh(x @ w)
-        return jnp.mean(x ** 2)
-
-    @partial(jax.jit, in_shardings=(rep, dat), out_shardings=(rep, rep))
-    def step(ws, x):
-        v, g = jax.value_and_grad(loss)(ws, x)
-        return [w - 0.1 * gw for w, gw in zip(ws, g, strict=True)], v
-
-    ks = jax.random.split(jax.random.key(0), 5)
-    ws = [jax.device_put(jax.random.normal(k, (64, 64)) * 0.1, rep) for k in ks[:4]]
-    x = jax.device_put(jax.random.normal(ks[4], (32, 64)), dat)
-    return step, ws, x
+from tests._helpers import assert_tree_bitwise, dp_mlp_step
 
 
 def test_schedule_pass_reorders_and_keeps_results():
-    step, ws, x = _dp_mlp_step()
+    step, ws, x = dp_mlp_step()
     opt = concerto_jax.optimize(step, concerto_jax.Options(passes=("schedule",), fallback=False))
-    got = opt(ws, x)
-    want = step(ws, x)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_tree_bitwise(opt(ws, x), step(ws, x))
     (record,) = opt.report().passes
     s = record.stats
     assert record.name == "schedule" and s["collectives"] >= 1
@@ -72,7 +43,7 @@ def _latest_first_topological_order(graph):
 
 
 def test_order_from_events_is_a_valid_program_order():
-    step, ws, x = _dp_mlp_step()
+    step, ws, x = dp_mlp_step()
     cap = capture(step, (ws, x))
     module = hlo_passes.parse_module(cap.hlo_text)
     before = [i.name for i in module.entry.instructions]

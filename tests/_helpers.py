@@ -1,0 +1,102 @@
+"""Helpers shared by several test modules (import as ``from tests._helpers import ...``).
+
+* ``FULL_SWEEP`` (``CONCERTO_FULL_SWEEP=1``): run every model x layout (and other long
+  parametrisations) instead of the default subsets; implies ``FULL_SCAN_MATRIX``.
+* ``FULL_SCAN_MATRIX`` (``CONCERTO_FULL_SCAN_MATRIX=1``): every scanned model x layout in
+  tests/test_loops_optimize.py.
+* ``FAST``: XLA options that compile tiny train steps quickly (LLVM -O0; the HLO passes,
+  SPMD partitioning included, are unchanged). Both sides of a bitwise comparison must
+  use the same options.
+* ``NO_COMBINER``: XLA:CPU's own all-reduce combiner off.
+* ``tree_diff`` / ``assert_tree_bitwise``: bitwise comparison of two pytrees of arrays
+  (typed PRNG keys compared through their key data, NaNs equal where both are NaN).
+* ``dp_mlp_step``: a data-parallel MLP train step on the 8-device CPU mesh with one
+  gradient all-reduce per layer.
+* ``run_bitwise_steps``: run a compiled reference and an optimised step side by side.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+FULL_SWEEP = os.environ.get("CONCERTO_FULL_SWEEP") == "1"
+FULL_SCAN_MATRIX = FULL_SWEEP or os.environ.get("CONCERTO_FULL_SCAN_MATRIX") == "1"
+FAST = {"xla_backend_optimization_level": 0}
+NO_COMBINER = {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
+
+
+def bits(x) -> np.ndarray:
+    """The array's values as numpy (typed PRNG keys as their key data)."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.asarray(x)
+
+
+def tree_diff(a, b, *, sharding: bool = True) -> list[str]:
+    """What differs between two pytrees: structure, dtype, shape, sharding (optional), bits.
+
+    Returns:
+      One line per differing leaf (empty when the trees are bitwise equal).
+    """
+    la, ta = jax.tree_util.tree_flatten_with_path(a)
+    lb, tb = jax.tree.flatten(b)
+    if ta != tb:
+        return [f"tree structure differs: {ta} vs {tb}"]
+    bad = []
+    for (path, x), y in zip(la, lb, strict=True):
+        where = jax.tree_util.keystr(path)
+        if x.dtype != y.dtype or x.shape != y.shape:
+            bad.append(f"{where}: {x.dtype}{x.shape} vs {y.dtype}{y.shape}")
+        elif sharding and x.sharding != y.sharding:
+            bad.append(f"{where}: sharding {x.sharding} vs {y.sharding}")
+        elif not np.array_equal(bits(x), bits(y), equal_nan=True):
+            bad.append(f"{where}: values differ")
+    return bad
+
+
+def assert_tree_bitwise(a, b, *, sharding: bool = True, what: str = "") -> None:
+    """Fail with the first differing leaves unless ``a`` and ``b`` are bitwise equal."""
+    bad = tree_diff(a, b, sharding=sharding)
+    assert not bad, f"{what}{': ' if what else ''}{len(bad)} leaves differ: {bad[:5]}"
+
+
+def run_bitwise_steps(reference, step, case, steps: int, *, sharding: bool = True) -> None:
+    """``steps`` train steps of a models.Case through ``reference`` and ``step`` from the same
+    initial state; the states and metrics must be bitwise equal after every step."""
+    ref, opt = case.init_state(0), case.init_state(0)
+    for i in range(steps):
+        ref, ref_metrics = reference(ref, case.batch)
+        opt, opt_metrics = step(opt, case.batch)
+        assert_tree_bitwise((opt, opt_metrics), (ref, ref_metrics), sharding=sharding, what=f"step {i}")
+
+
+def dp_mlp_step(layers: int = 4, batch: int = 32):
+    """A data-parallel tanh MLP train step on 8 CPU devices: one gradient all-reduce per layer.
+
+    Returns:
+      ``(step, ws, x)``: the jitted step, replicated weights (64 x 64 each), the sharded batch.
+    """
+    mesh = jax.make_mesh((8,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
+    rep, dat = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
+
+    def loss(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return jnp.mean(x ** 2)
+
+    @partial(jax.jit, in_shardings=(rep, dat), out_shardings=(rep, rep))
+    def step(ws, x):
+        v, g = jax.value_and_grad(loss)(ws, x)
+        return [w - 0.1 * gw for w, gw in zip(ws, g, strict=True)], v
+
+    ks = jax.random.split(jax.random.key(0), layers + 1)
+    ws = [jax.device_put(jax.random.normal(k, (64, 64)) * 0.1, rep) for k in ks[:layers]]
+    x = jax.device_put(jax.random.normal(ks[-1], (batch, 64)), dat)
+    return step, ws, x
