@@ -27,8 +27,10 @@ def main(argv=None) -> int:
     b.add_argument("-v", "--verbose", action="store_true")
     v = sub.add_parser("validate-cpu", help="simulated vs measured time of single-device CPU programs")
     v.add_argument("--out", default="bench/results", help="output directory")
-    v.add_argument("--repeats", type=int, default=15, help="timed runs per measurement (median)")
-    v.add_argument("--multithreaded", action="store_true", help="keep XLA:CPU's thread pools (noisier)")
+    v.add_argument("--repeats", type=int, default=15, help="interleaved timing rounds (best of)")
+    v.add_argument("--program", action="append", help="validate only this program (repeatable)")
+    v.add_argument("--multithreaded", action="store_true",
+                   help="keep XLA:CPU's thread pools and every core (noisier; not what the model models)")
     v.add_argument("-v", "--verbose", action="store_true")
     from bench import concerto_vs_xla
 
@@ -56,11 +58,20 @@ def main(argv=None) -> int:
         return concerto_vs_xla.run_from_args(args, "python -m bench.cli concerto")
     # The deviceless GPU compile needs JAX on CPU; set before JAX starts (the CLI, not the library).
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    setup = "XLA:CPU multi-threaded, all cores (--multithreaded)."
     if args.command == "validate-cpu" and not args.multithreaded:
-        # One XLA:CPU thread for programs and kernels alike: on a shared 2-core machine multi-threaded
-        # timings depend on what the neighbours run; single-threaded ones compose (sum of kernels).
+        # One XLA:CPU thread for programs and kernels alike. The Eigen flag alone is not enough:
+        # XLA:CPU sizes its intra-op pool from the CPU affinity and runs YNNPACK fusions (dots,
+        # reductions), partitioned loop fusions and independent thunks on it. On a shared 2-core
+        # machine a short kernel's best time then catches both cores free, a long program's does
+        # not (the store underestimated transformer_block by ~50 % for that reason).
+        from concerto_jax.costmodel.cpu import pin_to_one_cpu
+
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    " --xla_cpu_multi_thread_eigen=false").strip()
+        core = pin_to_one_cpu()
+        setup = (f"XLA:CPU single-threaded: process pinned to core {core} (one intra-op thread, no partitioned "
+                 "fusions) and --xla_cpu_multi_thread_eigen=false.")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     from bench import baseline, suite
@@ -93,7 +104,11 @@ def main(argv=None) -> int:
             sys.stdout.write(f.read())
         return 0 if all(not str(r["status"]).startswith("error") for r in rows) else 1
     if args.command == "validate-cpu":
-        baseline.run_cpu_validation(args.out, repeats=args.repeats)
+        cmd = " ".join(["python -m bench.cli validate-cpu", f"--repeats {args.repeats}"]
+                       + [f"--program {p}" for p in args.program or ()]
+                       + (["--multithreaded"] if args.multithreaded else []))
+        baseline.run_cpu_validation(args.out, repeats=args.repeats, programs=args.program, command=cmd,
+                                    setup=setup)
         with open(os.path.join(args.out, "baseline_cpu_validation.md")) as f:
             sys.stdout.write(f.read())
         return 0

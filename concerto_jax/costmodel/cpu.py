@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from concerto_jax.costmodel.compute import ComputeOptions
-from concerto_jax.costmodel.profile_store import ProfileStore
+from concerto_jax.costmodel.compute import ComputeOptions, OpInfo
+from concerto_jax.costmodel.profile_store import ProfileStore, signature
 from concerto_jax.costmodel.specs import GpuSpec
 
 log = logging.getLogger(__name__)
@@ -89,18 +89,42 @@ def hlo_cpu_runner(text: str, param_shapes) -> Callable[[], object]:
     return run
 
 
-def interleaved_best_us(runners: dict[str, Callable[[], object]], repeats: int, warmup: int = 2) -> dict[str, float]:
-    """Best time of each runner, timed in interleaved rounds so that load drift hits all alike."""
+@dataclasses.dataclass(frozen=True)
+class Best:
+    """Best (minimum) times of one runner over interleaved rounds.
+
+    Attributes:
+      wall_us: least wall time of one run.
+      cpu_us: least CPU time of the whole process (all its threads) during one run;
+        time the process was descheduled for a neighbour does not count.
+    """
+
+    wall_us: float
+    cpu_us: float
+
+
+def interleaved_best(runners: dict[str, Callable[[], object]], repeats: int, warmup: int = 2) -> dict[str, Best]:
+    """Best wall and process-CPU time of each runner, timed in interleaved rounds (load drift hits all alike)."""
     for run in runners.values():
         for _ in range(warmup):
             run()
-    best = dict.fromkeys(runners, float("inf"))
+    wall = dict.fromkeys(runners, float("inf"))
+    cpu = dict.fromkeys(runners, float("inf"))
     for _ in range(repeats):
         for key, run in runners.items():
-            t = time.perf_counter()
+            c = time.process_time_ns()
+            t = time.perf_counter_ns()
             run()
-            best[key] = min(best[key], 1e6 * (time.perf_counter() - t))
-    return best
+            t = time.perf_counter_ns() - t
+            c = time.process_time_ns() - c
+            wall[key] = min(wall[key], 1e-3 * t)
+            cpu[key] = min(cpu[key], 1e-3 * c)
+    return {k: Best(wall[k], cpu[k]) for k in runners}
+
+
+def interleaved_best_us(runners: dict[str, Callable[[], object]], repeats: int, warmup: int = 2) -> dict[str, float]:
+    """Best wall time of each runner, timed in interleaved rounds so that load drift hits all alike."""
+    return {k: b.wall_us for k, b in interleaved_best(runners, repeats, warmup).items()}
 
 
 def time_hlo_cpu_us(text: str, param_shapes, repeats: int = 15) -> float:
@@ -163,13 +187,29 @@ def standalone_module(inst) -> tuple[str, list]:
 
 @dataclasses.dataclass(frozen=True)
 class KernelProfile:
-    """Per-kernel CPU timings of one module: the store and what could not be measured."""
+    """Per-kernel CPU timings of one module: the stores and what could not be measured.
+
+    Attributes:
+      store: best wall time of each kernel alone, less the standalone dispatch overhead.
+      measured: kernels timed.
+      failed: names of kernels that XLA would not compile alone.
+      overhead_us: best wall time of a trivial module on the standalone path.
+      extra_us: best wall times of the extra runners.
+      cpu_store: like ``store`` with process CPU time instead of wall time.
+      extra_cpu_us: best process CPU times of the extra runners.
+      overhead_cpu_us: best process CPU time of the trivial module.
+      timed: kernel name -> its ``OpInfo`` (the signature under which it was recorded).
+    """
 
     store: ProfileStore
     measured: int
     failed: tuple[str, ...]
     overhead_us: float
     extra_us: dict[str, float] = dataclasses.field(default_factory=dict)
+    cpu_store: ProfileStore | None = None
+    extra_cpu_us: dict[str, float] = dataclasses.field(default_factory=dict)
+    overhead_cpu_us: float = 0.0
+    timed: dict = dataclasses.field(default_factory=dict)
 
 
 def profile_module_on_cpu(module, *, repeats: int = 15, store: ProfileStore | None = None,
@@ -184,16 +224,20 @@ def profile_module_on_cpu(module, *, repeats: int = 15, store: ProfileStore | No
         its dispatch overhead); their best times are ``KernelProfile.extra_us``.
 
     Returns:
-      The store, counts, the standalone-path dispatch overhead and the extra timings.
+      The stores (wall and process CPU time), counts, the standalone-path dispatch
+      overhead and the extra timings.
     """
     from concerto_jax.costmodel.compute import FREE_OPCODES
     from concerto_jax.hlo_taskgraph import ALIAS_OPCODES, op_info
     from hlo_passes.shapes import Shape
 
     store = store if store is not None else ProfileStore("cpu")
+    cpu_store = ProfileStore("cpu-process-time")
     failed: list[str] = []
     runners: dict[str, Callable[[], object]] = {"<overhead>": hlo_cpu_runner(_TRIVIAL, [Shape.array("f32", (1,))])}
     infos = {}
+    same: dict[str, OpInfo] = {}  # kernels whose signature another kernel of the module already has
+    queued: set[str] = set()
     cache: dict = {}
     for inst in module.entry.instructions:
         if inst.opcode in FREE_OPCODES or inst.opcode in ALIAS_OPCODES:
@@ -201,6 +245,10 @@ def profile_module_on_cpu(module, *, repeats: int = 15, store: ProfileStore | No
         info = op_info(inst, cache)
         if store.lookup(info) is not None:
             continue
+        if signature(info) in queued:  # same kernel: time it once
+            same[inst.name] = info
+            continue
+        queued.add(signature(info))
         try:
             runners[inst.name] = hlo_cpu_runner(*standalone_module(inst))
         except Exception as e:  # XLA rejects some standalone forms; report them
@@ -210,12 +258,93 @@ def profile_module_on_cpu(module, *, repeats: int = 15, store: ProfileStore | No
         infos[inst.name] = info
     extra = extra or {}
     runners.update({f"<extra>{k}": v for k, v in extra.items()})
-    best = interleaved_best_us(runners, repeats)
+    best = interleaved_best(runners, repeats)
     overhead = best.pop("<overhead>")
-    extra_us = {k: best.pop(f"<extra>{k}") for k in extra}
-    for name, us in best.items():
-        store.record(infos[name], max(us - overhead, 0.0))
-    return KernelProfile(store, len(best), tuple(failed), overhead, extra_us)
+    extra_best = {k: best.pop(f"<extra>{k}") for k in extra}
+    for name, b in best.items():
+        store.record(infos[name], max(b.wall_us - overhead.wall_us, 0.0))
+        cpu_store.record(infos[name], max(b.cpu_us - overhead.cpu_us, 0.0))
+    timed = dict(infos)
+    timed.update({k: v for k, v in same.items() if store.lookup(v) is not None})
+    return KernelProfile(store, len(best), tuple(failed), overhead.wall_us,
+                         {k: b.wall_us for k, b in extra_best.items()}, cpu_store,
+                         {k: b.cpu_us for k, b in extra_best.items()}, overhead.cpu_us, timed)
+
+
+def in_program_kernel_us(run: Callable[[], object], names, repeats: int = 10) -> dict[str, float]:
+    """Best duration of each named kernel (thunk) *inside* a program, from XLA:CPU's profiler.
+
+    XLA:CPU's thunk executor records one trace event per executed thunk, named
+    after the instruction (``jax.profiler``); this is the time the kernel took in
+    the program as compiled and run, to compare kernel by kernel with the store.
+
+    Args:
+      run: runs the program once (result awaited).
+      names: the kernels (entry instruction names) to report.
+      repeats: profiled runs (best of).
+
+    Returns:
+      name -> least duration in microseconds, for the names that appeared in the trace.
+    """
+    import glob
+    import os
+    import tempfile
+
+    import jax.profiler
+
+    wanted = set(names)
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        try:
+            for _ in range(repeats):
+                run()
+        finally:
+            jax.profiler.stop_trace()
+        paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+        if not paths:
+            log.warning("profiler wrote no trace: no per-kernel in-program times")
+            return {}
+        data = jax.profiler.ProfileData.from_file(paths[0])
+        best: dict[str, float] = {}
+        for plane in data.planes:
+            for line in plane.lines:
+                for ev in line.events:
+                    if ev.name in wanted:
+                        best[ev.name] = min(best.get(ev.name, float("inf")), ev.duration_ns * 1e-3)
+    return best
+
+
+def pin_to_one_cpu(cpu: int | None = None) -> int:
+    """Restrict this process to one CPU core, so that XLA:CPU runs every kernel on one thread.
+
+    ``--xla_cpu_multi_thread_eigen=false`` only affects Eigen: XLA:CPU still sizes its
+    intra-op pool from the process's CPU affinity, splits loop fusions across it
+    (``outer_dimension_partitions``), runs YNNPACK fusions (dots, reductions) on it and
+    runs independent thunks concurrently. With one core in the affinity mask the pool has
+    one thread and the compiler partitions nothing. Call before JAX creates its CPU client
+    (threads made earlier keep their affinity).
+
+    Args:
+      cpu: the core; default the first one of the current affinity mask.
+
+    Returns:
+      The core the process is now restricted to.
+    """
+    import os
+    import sys
+
+    if cpu is None:
+        cpu = min(os.sched_getaffinity(0))
+    if "jax" in sys.modules:
+        try:
+            from jax._src import xla_bridge
+
+            if xla_bridge.backends_are_initialized():
+                log.warning("pin_to_one_cpu after JAX started: its thread pools keep their size")
+        except (ImportError, AttributeError):
+            pass
+    os.sched_setaffinity(0, {cpu})
+    return cpu
 
 
 def measure_cpu_spec(n: int = 1024, stream_elements: int = 1 << 22, repeats: int = 10) -> GpuSpec:
@@ -248,8 +377,31 @@ CPU_COMPUTE_OPTIONS = ComputeOptions(matmul_efficiency=1.0, memory_efficiency=1.
 
 
 @dataclasses.dataclass(frozen=True)
+class KernelRow:
+    """One kernel of a validated program: its time inside the program and the two predictions."""
+
+    name: str
+    in_program_us: float | None  # XLA:CPU's profiler, best of the profiled runs (None: not in the trace)
+    store_us: float  # the store's time for its signature (measured alone)
+    analytic_us: float  # the analytical model with the measured CPU spec
+
+
+@dataclasses.dataclass(frozen=True)
 class ValidationRow:
-    """Simulated vs measured time of one single-device CPU program."""
+    """Simulated vs measured time of one single-device CPU program.
+
+    Attributes:
+      name: program name.
+      measured_us: best wall time of the jitted program less a trivial jitted program's.
+      from_store_us: simulated step time with the per-kernel store (wall times).
+      analytic_us: simulated step time with the analytical model and the measured CPU spec.
+      kernels: kernels timed alone.
+      failed: kernels XLA would not compile alone (the analytical model stands in).
+      measured_cpu_us: like ``measured_us`` in process CPU time.
+      from_store_cpu_us: simulated with the store in process CPU time.
+      in_program_sum_us: sum of the entry kernels' in-program times (profiler).
+      kernel_rows: per-kernel comparison, program order.
+    """
 
     name: str
     measured_us: float
@@ -257,19 +409,53 @@ class ValidationRow:
     analytic_us: float
     kernels: int
     failed: int
+    measured_cpu_us: float = float("nan")
+    from_store_cpu_us: float = float("nan")
+    in_program_sum_us: float = float("nan")
+    kernel_rows: tuple[KernelRow, ...] = ()
+
+    @staticmethod
+    def _err(predicted: float, measured: float) -> float:
+        return 100.0 * (predicted - measured) / measured
 
     @property
     def store_error_pct(self) -> float:
-        return 100.0 * (self.from_store_us - self.measured_us) / self.measured_us
+        return self._err(self.from_store_us, self.measured_us)
 
     @property
     def analytic_error_pct(self) -> float:
-        return 100.0 * (self.analytic_us - self.measured_us) / self.measured_us
+        return self._err(self.analytic_us, self.measured_us)
+
+    @property
+    def store_cpu_error_pct(self) -> float:
+        return self._err(self.from_store_cpu_us, self.measured_cpu_us)
+
+
+def mean_abs_error_pct(errors: Sequence[float]) -> float:
+    """Mean of the absolute values (the validation's figure of merit); nan for no errors."""
+    errors = list(errors)
+    return sum(abs(e) for e in errors) / len(errors) if errors else float("nan")
 
 
 def validate_program(name: str, fn: Callable, args: Sequence, *, cpu_spec: GpuSpec | None = None,
-                     repeats: int = 15) -> ValidationRow:
-    """Measure ``jit(fn)(*args)`` on CPU and predict it from per-kernel times and from the CPU spec."""
+                     repeats: int = 15, profile_repeats: int = 5) -> ValidationRow:
+    """Measure ``jit(fn)(*args)`` on CPU and predict it from per-kernel times and from the CPU spec.
+
+    The program is the executable XLA:CPU compiled for ``fn``; its optimized module
+    gives the kernels (timed alone into the store) and the task graph both models
+    are simulated on. The program, a trivial jitted program (dispatch overhead),
+    the standalone dispatch overhead and every kernel are timed in the same
+    interleaved rounds; then ``profile_repeats`` profiled runs of the program give
+    every kernel's time inside it (``in_program_kernel_us``).
+
+    Args:
+      name: program name (reports).
+      fn: the function (jitted here, no donation).
+      args: its arguments (placed on CPU device 0).
+      cpu_spec: the CPU spec of the analytical model (``measure_cpu_spec()`` by default).
+      repeats: interleaved timing rounds.
+      profile_repeats: profiled program runs for the per-kernel comparison (0: none).
+    """
     import jax
 
     from concerto_jax.costmodel.cluster import get_cluster
@@ -281,21 +467,33 @@ def validate_program(name: str, fn: Callable, args: Sequence, *, cpu_spec: GpuSp
     dev = jax.devices("cpu")[0]
     args = [jax.device_put(a, dev) for a in args]
     compiled = jax.jit(fn).lower(*args).compile()
-    small = args[0][..., :1] if args[0].ndim else args[0]
+    small = jax.device_put(np.zeros((1,), np.float32), dev)
     trivial = jax.jit(lambda x: -x).lower(small).compile()
     module = parse_module(compiled.as_text())
+
+    def program():
+        return jax.block_until_ready(compiled(*args))
+
     # Program, its dispatch overhead (a trivial jitted program) and every kernel timed in the same rounds.
     prof = profile_module_on_cpu(module, repeats=repeats, extra={
-        "program": lambda: jax.block_until_ready(compiled(*args)),
-        "jit_overhead": lambda: jax.block_until_ready(trivial(small))})
+        "program": program, "jit_overhead": lambda: jax.block_until_ready(trivial(small))})
     measured = max(prof.extra_us["program"] - prof.extra_us["jit_overhead"], 1e-3)
+    measured_cpu = max(prof.extra_cpu_us["program"] - prof.extra_cpu_us["jit_overhead"], 1e-3)
     cluster = get_cluster("h100_sxm_8")  # placement only; single device programs have no collectives
     spec = cpu_spec or measure_cpu_spec()
     opts = CostOptions(compute=CPU_COMPUTE_OPTIONS, overlap_slowdown=1.0)
+    sim = SimOptions(overlap_slowdown=1.0, memory=False)
+
+    def simulated(model) -> float:
+        built = build_taskgraph(module, model)
+        return simulate(built.graph, built.events, sim).step_time_us
+
     store_model = CostModel(cluster, opts, store=prof.store, gpu=spec)
     analytic_model = CostModel(cluster, opts, gpu=spec)
-    sim = SimOptions(overlap_slowdown=1.0, memory=False)
-    b1 = build_taskgraph(module, store_model)
-    b2 = build_taskgraph(module, analytic_model)
-    return ValidationRow(name, measured, simulate(b1.graph, b1.events, sim).step_time_us,
-                         simulate(b2.graph, b2.events, sim).step_time_us, prof.measured, len(prof.failed))
+    in_prog = in_program_kernel_us(program, prof.timed, profile_repeats) if profile_repeats > 0 else {}
+    rows = tuple(KernelRow(k, in_prog.get(k), store_model.compute_us(info), analytic_model.compute_us(info))
+                 for k, info in prof.timed.items())
+    return ValidationRow(name, measured, simulated(store_model), simulated(analytic_model), prof.measured,
+                         len(prof.failed), measured_cpu,
+                         simulated(CostModel(cluster, opts, store=prof.cpu_store, gpu=spec)),
+                         sum(in_prog.values()) if in_prog else float("nan"), rows)
