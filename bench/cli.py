@@ -29,6 +29,8 @@ def main(argv=None) -> int:
     v.add_argument("--out", default="bench/results", help="output directory")
     v.add_argument("--repeats", type=int, default=15, help="interleaved timing rounds (best of)")
     v.add_argument("--program", action="append", help="validate only this program (repeatable)")
+    v.add_argument("--system-malloc", action="store_true",
+                   help="leave glibc's malloc as is (large temporaries are re-mapped and faulted in per run)")
     v.add_argument("--multithreaded", action="store_true",
                    help="keep XLA:CPU's thread pools and every core (noisier; not what the model models)")
     v.add_argument("-v", "--verbose", action="store_true")
@@ -107,6 +109,15 @@ def main(argv=None) -> int:
         cmd = " ".join(["python -m bench.cli validate-cpu", f"--repeats {args.repeats}"]
                        + [f"--program {p}" for p in args.program or ()]
                        + (["--multithreaded"] if args.multithreaded else []))
+        if args.system_malloc:
+            cmd += " --system-malloc"
+            setup += " glibc malloc as is."
+        else:
+            from concerto_jax.costmodel.cpu import keep_freed_memory
+
+            if keep_freed_memory():
+                setup += (" malloc keeps freed memory (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=1 GiB: temporaries "
+                          "are reused, not faulted in per run).")
         baseline.run_cpu_validation(args.out, repeats=args.repeats, programs=args.program, command=cmd,
                                     setup=setup)
         with open(os.path.join(args.out, "baseline_cpu_validation.md")) as f:
