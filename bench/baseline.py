@@ -356,7 +356,8 @@ def _validation_markdown(rows, spec, command: str, setup: str, load: tuple, seco
            f"{mean_abs_error_pct([r.analytic_error_pct for r in rows]):.1f} %; wall time: per-kernel store "
            f"{mean_abs_error_pct([r.store_wall_error_pct for r in rows]):.1f} %.",
            f"CPU spec: {'; '.join(spec.sources)}.", "",
-           "measured: best process CPU time of the jitted program less a trivial jitted program's (one pinned core:",
+           "measured: best process CPU time of the jitted program less a program with the same arguments and output",
+           "leaves that does nothing (its dispatch cost; one pinned core:",
            "the time the core spent on it; waiting for a neighbour does not count); store: every kernel of XLA:CPU's",
            "optimized module compiled alone, best process CPU time less the standalone dispatch overhead, summed by the",
            "simulator on the module's task graph; wall columns: the same in wall time (inflated under load, most for",
