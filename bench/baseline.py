@@ -356,14 +356,14 @@ def _validation_markdown(rows, spec, command: str, setup: str, load: tuple, seco
            f"{mean_abs_error_pct([r.analytic_error_pct for r in rows]):.1f} %; wall time: per-kernel store "
            f"{mean_abs_error_pct([r.store_wall_error_pct for r in rows]):.1f} %.",
            f"CPU spec: {'; '.join(spec.sources)}.", "",
-           "measured: best process CPU time of the jitted program less a program with the same arguments and output",
-           "leaves that does nothing (its dispatch cost; one pinned core:",
-           "the time the core spent on it; waiting for a neighbour does not count); store: every kernel of XLA:CPU's",
-           "optimized module compiled alone, best process CPU time less the standalone dispatch overhead, summed by the",
-           "simulator on the module's task graph; wall columns: the same in wall time (inflated under load, most for",
-           "long programs); kernels in program: sum of the entry kernels' best durations inside the program from",
-           "XLA:CPU's profiler (wall). Program, kernels and both dispatch overheads timed in the same interleaved rounds",
-           "(best of the repeats).", "",
+           "measured: median process CPU time of the jitted program less a program with the same arguments and",
+           "output leaves that does nothing (its dispatch); one pinned core, so that is the time the core spent on it",
+           "(waiting for a neighbour does not count). store: every kernel of XLA:CPU's optimized module compiled",
+           "alone, median process CPU time less a trivial module's (kernels shorter than that: median of the profiler's",
+           "kernel event), summed by the simulator on the module's task graph. Every runner is timed right after an",
+           "untimed run of itself (warm caches), in interleaved rounds. wall columns: least wall times (inflated under",
+           "load, most for long programs). kernels in program: sum of the entry kernels' median durations inside the",
+           "program from XLA:CPU's profiler (wall).", "",
            f"## Largest per-kernel differences (top {top} per program by |store - in program|)", "",
            "| program | kernel | in program us | store us | analytic us |", "|---|---|---|---|---|"]
     for r in rows:
@@ -371,6 +371,14 @@ def _validation_markdown(rows, spec, command: str, setup: str, load: tuple, seco
         known.sort(key=lambda k: -abs(k.store_us - k.in_program_us))
         md += [f"| {r.name} | {k.name} | {k.in_program_us:.1f} | {k.store_us:.1f} | {k.analytic_us:.1f} |"
                for k in known[:top]]
+    md += ["", "Per-kernel sums by the store's kernel time (kernels found in the profile):", "",
+           "| program | kernel time | kernels | in program us | store us | analytic us |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        for lo, hi in ((0, 5), (5, 20), (20, 100), (100, 1000), (1000, float("inf"))):
+            ks = [k for k in r.kernel_rows if k.in_program_us is not None and lo <= k.store_us < hi]
+            if ks:
+                md.append(f"| {r.name} | {lo}-{hi} us | {len(ks)} | {sum(k.in_program_us for k in ks):.0f} | "
+                          f"{sum(k.store_us for k in ks):.0f} | {sum(k.analytic_us for k in ks):.0f} |")
     return "\n".join(md) + "\n"
 
 
