@@ -27,7 +27,7 @@ def main(argv=None) -> int:
     b.add_argument("-v", "--verbose", action="store_true")
     v = sub.add_parser("validate-cpu", help="simulated vs measured time of single-device CPU programs")
     v.add_argument("--out", default="bench/results", help="output directory")
-    v.add_argument("--repeats", type=int, default=15, help="interleaved timing rounds (best of)")
+    v.add_argument("--repeats", type=int, default=15, help="interleaved timing rounds (medians of process CPU time)")
     v.add_argument("--program", action="append", help="validate only this program (repeatable)")
     v.add_argument("--system-malloc", action="store_true",
                    help="leave glibc's malloc as is (large temporaries are re-mapped and faulted in per run)")
