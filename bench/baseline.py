@@ -253,8 +253,45 @@ def run_baseline(cases: Sequence[BenchCase], options: BaselineOptions = Baseline
     return rows
 
 
-def _validation_programs():
-    """Single-device CPU programs for the validation of the method (name, fn, args)."""
+def _train_step_program(model: str, config):
+    """(fn, args) of one single-device train step of ``model`` (no donation: it is run many times)."""
+    from models.registry import make_case
+
+    case = make_case(model, "dp", config, (1,), materialize=True)
+
+    def step(state, batch):
+        return case.step(state, batch)  # inside an outer jit the inner donation is dropped
+
+    return step, [case.state, case.batch]
+
+
+def gpt_block_config():
+    """GPT with one decoder block (h=256, 4 heads, seq 128, batch 4, vocab 1024), float32."""
+    from models import gpt
+
+    return dataclasses.replace(gpt.PRESETS["tiny"], vocab_size=1024, hidden=256, num_layers=1, num_heads=4,
+                               seq_len=128, batch_size=4)
+
+
+def evoformer_block_config():
+    """Evoformer with one block (c_m=64, c_z=32, 4 heads of 16, s=16, r=32, batch 2), float32."""
+    from models import evoformer
+
+    return dataclasses.replace(evoformer.PRESETS["tiny"], c_m=64, c_z=32, msa_heads=4, pair_heads=4, head_dim=16,
+                               c_opm=16, num_seq=16, num_res=32, batch_size=2)
+
+
+VALIDATION_PROGRAMS = ("mlp_grad", "transformer_block", "softmax_rows", "conv3x3", "gpt_block_train_step",
+                       "evoformer_block_train_step")
+"""Programs of ``python -m bench.cli validate-cpu`` (the last two: a whole AdamW train step each)."""
+
+
+def _validation_programs(names=None):
+    """Single-device CPU programs for the validation of the method (name, fn, args).
+
+    Args:
+      names: the programs to build (default ``VALIDATION_PROGRAMS``).
+    """
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -284,47 +321,103 @@ def _validation_programs():
         y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
         return jax.nn.relu(y).sum(axis=(1, 2))
 
-    return [
-        ("mlp_grad", mlp_grad, [f32(512, 1024), f32(1024, 512), f32(256, 512)]),
-        ("transformer_block", block, [f32(4, 256, 256), f32(256, 768), f32(256, 256), f32(256, 1024),
-                                      f32(1024, 256)]),
-        ("softmax_rows", softmax_rows, [f32(2048, 1024)]),
-        ("conv3x3", conv, [f32(8, 32, 32, 32), f32(3, 3, 32, 64)]),
-    ]
+    makers = {
+        "mlp_grad": lambda: (mlp_grad, [f32(512, 1024), f32(1024, 512), f32(256, 512)]),
+        "transformer_block": lambda: (block, [f32(4, 256, 256), f32(256, 768), f32(256, 256), f32(256, 1024),
+                                              f32(1024, 256)]),
+        "softmax_rows": lambda: (softmax_rows, [f32(2048, 1024)]),
+        "conv3x3": lambda: (conv, [f32(8, 32, 32, 32), f32(3, 3, 32, 64)]),
+        "gpt_block_train_step": lambda: _train_step_program("gpt", gpt_block_config()),
+        "evoformer_block_train_step": lambda: _train_step_program("evoformer", evoformer_block_config()),
+    }
+    names = VALIDATION_PROGRAMS if names is None else names
+    unknown = [n for n in names if n not in makers]
+    if unknown:
+        raise ValueError(f"unknown validation program(s) {unknown}; expected some of {list(makers)}")
+    return [(n, *makers[n]()) for n in names]
+
+
+def _validation_markdown(rows, spec, command: str, setup: str, load: tuple, seconds: float, top: int) -> str:
+    from concerto_jax.costmodel.cpu import mean_abs_error_pct
+
+    md = ["# CPU validation: simulated vs measured single-device programs", "",
+          f"`{command}` ({seconds:.0f} s). {setup}",
+          f"Load average (1/5/15 min) at start {load[0][0]:.2f}/{load[0][1]:.2f}/{load[0][2]:.2f}, "
+          f"at end {load[1][0]:.2f}/{load[1][1]:.2f}/{load[1][2]:.2f}.", "",
+          "| program | measured us | store us | error % | analytic us | error % | wall: measured us | store us "
+          "| error % | kernels in program (profiler, wall) us | kernels | failed | temp MiB | page faults/run |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    md += [f"| {r.name} | {r.measured_us:.0f} | {r.from_store_us:.0f} | {r.store_error_pct:+.1f} | "
+           f"{r.analytic_us:.0f} | {r.analytic_error_pct:+.1f} | {r.measured_wall_us:.0f} | {r.from_store_wall_us:.0f} | "
+           f"{r.store_wall_error_pct:+.1f} | {r.in_program_sum_us:.0f} | {r.kernels} | {r.failed} | "
+           f"{r.temp_bytes / 2**20:.1f} | {r.page_faults} |" for r in rows]
+    md += ["", "Mean |error| (process CPU time): per-kernel store "
+           f"{mean_abs_error_pct([r.store_error_pct for r in rows]):.1f} %, analytic "
+           f"{mean_abs_error_pct([r.analytic_error_pct for r in rows]):.1f} %; wall time: per-kernel store "
+           f"{mean_abs_error_pct([r.store_wall_error_pct for r in rows]):.1f} %.",
+           f"CPU spec: {'; '.join(spec.sources)}.", "",
+           "measured: median process CPU time of the jitted program less a program with the same arguments and",
+           "output leaves that does nothing (its dispatch); one pinned core, so that is the time the core spent on it",
+           "(waiting for a neighbour does not count). store: every kernel of XLA:CPU's optimized module compiled",
+           "alone, median process CPU time less a trivial module's (kernels shorter than that: median of the profiler's",
+           "kernel event), summed by the simulator on the module's task graph. Every runner is timed right after an",
+           "untimed run of itself (warm caches), in interleaved rounds. wall columns: least wall times (inflated under",
+           "load, most for long programs). kernels in program: sum of the entry kernels' median durations inside the",
+           "program from XLA:CPU's profiler (wall).", "",
+           f"## Largest per-kernel differences (top {top} per program by |store - in program|)", "",
+           "| program | kernel | in program us | store us | analytic us |", "|---|---|---|---|---|"]
+    for r in rows:
+        known = [k for k in r.kernel_rows if k.in_program_us is not None]
+        known.sort(key=lambda k: -abs(k.store_us - k.in_program_us))
+        md += [f"| {r.name} | {k.name} | {k.in_program_us:.1f} | {k.store_us:.1f} | {k.analytic_us:.1f} |"
+               for k in known[:top]]
+    md += ["", "Per-kernel sums by the store's kernel time (kernels found in the profile):", "",
+           "| program | kernel time | kernels | in program us | store us | analytic us |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        for lo, hi in ((0, 5), (5, 20), (20, 100), (100, 1000), (1000, float("inf"))):
+            ks = [k for k in r.kernel_rows if k.in_program_us is not None and lo <= k.store_us < hi]
+            if ks:
+                md.append(f"| {r.name} | {lo}-{hi} us | {len(ks)} | {sum(k.in_program_us for k in ks):.0f} | "
+                          f"{sum(k.store_us for k in ks):.0f} | {sum(k.analytic_us for k in ks):.0f} |")
+    return "\n".join(md) + "\n"
 
 
 def run_cpu_validation(out_dir: str = "bench/results", prefix: str = "baseline_cpu_validation",
-                       repeats: int = 15) -> list:
-    """Simulated vs measured time of single-device CPU programs; writes ``<prefix>.csv`` and ``.md``."""
+                       repeats: int = 15, programs=None, command: str = "python -m bench.cli validate-cpu",
+                       setup: str = "", top: int = 5) -> list:
+    """Simulated vs measured time of single-device CPU programs; writes ``<prefix>.csv`` and ``.md``.
+
+    Args:
+      out_dir: output directory.
+      prefix: output file prefix.
+      repeats: interleaved timing rounds per program.
+      programs: program names (default ``VALIDATION_PROGRAMS``).
+      command: the command line, for the report.
+      setup: how XLA:CPU was configured (threads, affinity), for the report.
+      top: kernels listed per program in the per-kernel table.
+    """
     from concerto_jax.costmodel.cpu import measure_cpu_spec, validate_program
 
+    t0 = time.perf_counter()
+    load0 = os.getloadavg()
     os.makedirs(out_dir, exist_ok=True)
     spec = measure_cpu_spec()
     rows = []
-    for k, (name, fn, args) in enumerate(_validation_programs(), 1):
-        log.info("[%d/4] validating %s", k, name)
+    progs = _validation_programs(programs)
+    for k, (name, fn, args) in enumerate(progs, 1):
+        log.info("[%d/%d] validating %s", k, len(progs), name)
         rows.append(validate_program(name, fn, args, cpu_spec=spec, repeats=repeats))
-        log.info("%s", rows[-1])
+        log.info("%s: measured %.0f us, store %+.1f %%, analytic %+.1f %%", name, rows[-1].measured_us,
+                 rows[-1].store_error_pct, rows[-1].analytic_error_pct)
     fields = ("name", "measured_us", "from_store_us", "store_error_pct", "analytic_us", "analytic_error_pct",
-              "kernels", "failed")
+              "measured_wall_us", "from_store_wall_us", "store_wall_error_pct", "in_program_sum_us", "kernels", "failed",
+              "temp_bytes", "page_faults")
     with open(os.path.join(out_dir, prefix + ".csv"), "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(fields)
         for r in rows:
-            w.writerow([r.name, round(r.measured_us, 1), round(r.from_store_us, 1), round(r.store_error_pct, 1),
-                        round(r.analytic_us, 1), round(r.analytic_error_pct, 1), r.kernels, r.failed])
-    mean_abs = lambda xs: sum(abs(x) for x in xs) / len(xs)  # noqa: E731
-    md = ["# CPU validation: simulated vs measured single-device programs", "",
-          "| program | measured us | per-kernel store us | error % | analytic (CPU spec) us | error % | kernels | failed |",
-          "|---|---|---|---|---|---|---|---|"]
-    md += [f"| {r.name} | {r.measured_us:.0f} | {r.from_store_us:.0f} | {r.store_error_pct:+.1f} | "
-           f"{r.analytic_us:.0f} | {r.analytic_error_pct:+.1f} | {r.kernels} | {r.failed} |" for r in rows]
-    md += ["", f"Mean |error|: per-kernel store {mean_abs([r.store_error_pct for r in rows]):.1f} %, "
-           f"analytic {mean_abs([r.analytic_error_pct for r in rows]):.1f} %.",
-           f"CPU spec: {spec.sources[0]}.",
-           "Per-kernel store: every kernel of XLA:CPU's optimized module compiled alone and timed, summed by the",
-           "simulator. Program, kernels and both dispatch overheads are timed in the same interleaved rounds (best",
-           "of `repeats`), single-threaded Eigen. Shared 2-core machine: timings are noisy."]
+            w.writerow([round(v, 1) if isinstance(v, float) else v for v in (getattr(r, k) for k in fields)])
+    md = _validation_markdown(rows, spec, command, setup, (load0, os.getloadavg()), time.perf_counter() - t0, top)
     with open(os.path.join(out_dir, prefix + ".md"), "w") as f:
-        f.write("\n".join(md) + "\n")
+        f.write(md)
     return rows

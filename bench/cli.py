@@ -27,8 +27,12 @@ def main(argv=None) -> int:
     b.add_argument("-v", "--verbose", action="store_true")
     v = sub.add_parser("validate-cpu", help="simulated vs measured time of single-device CPU programs")
     v.add_argument("--out", default="bench/results", help="output directory")
-    v.add_argument("--repeats", type=int, default=15, help="timed runs per measurement (median)")
-    v.add_argument("--multithreaded", action="store_true", help="keep XLA:CPU's thread pools (noisier)")
+    v.add_argument("--repeats", type=int, default=15, help="interleaved timing rounds (medians of process CPU time)")
+    v.add_argument("--program", action="append", help="validate only this program (repeatable)")
+    v.add_argument("--system-malloc", action="store_true",
+                   help="leave glibc's malloc as is (large temporaries are re-mapped and faulted in per run)")
+    v.add_argument("--multithreaded", action="store_true",
+                   help="keep XLA:CPU's thread pools and every core (noisier; not what the model models)")
     v.add_argument("-v", "--verbose", action="store_true")
     from bench import concerto_vs_xla
 
@@ -58,11 +62,24 @@ def main(argv=None) -> int:
         return concerto_vs_xla.run_from_args(args, "python -m bench.cli concerto")
     # The deviceless GPU compile needs JAX on CPU; set before JAX starts (the CLI, not the library).
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    if args.command == "decompose-calibrate" or (args.command == "validate-cpu" and not args.multithreaded):
+    setup = "XLA:CPU multi-threaded, all cores (--multithreaded)."
+    validate_pinned = args.command == "validate-cpu" and not args.multithreaded
+    if args.command == "decompose-calibrate" or validate_pinned:
         # One XLA:CPU thread for programs and kernels alike: on a shared 2-core machine multi-threaded
         # timings depend on what the neighbours run; single-threaded ones compose (sum of kernels).
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    " --xla_cpu_multi_thread_eigen=false").strip()
+    if validate_pinned:
+        # The Eigen flag alone is not enough: XLA:CPU sizes its intra-op pool from the CPU affinity
+        # and runs YNNPACK fusions (dots, reductions), partitioned loop fusions and independent thunks
+        # on it. On a shared 2-core machine a short kernel's best time then catches both cores free, a
+        # long program's does not (the store underestimated transformer_block by ~50 % for that reason).
+        # decompose-calibrate is not pinned: its slowdown probe runs two programs at once.
+        from concerto_jax.costmodel.cpu import pin_to_one_cpu
+
+        core = pin_to_one_cpu()
+        setup = (f"XLA:CPU single-threaded: process pinned to core {core} (one intra-op thread, no partitioned "
+                 "fusions) and --xla_cpu_multi_thread_eigen=false.")
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     from bench import baseline, suite
@@ -96,7 +113,20 @@ def main(argv=None) -> int:
             sys.stdout.write(f.read())
         return 0 if all(not str(r["status"]).startswith("error") for r in rows) else 1
     if args.command == "validate-cpu":
-        baseline.run_cpu_validation(args.out, repeats=args.repeats)
+        cmd = " ".join(["python -m bench.cli validate-cpu", f"--repeats {args.repeats}"]
+                       + [f"--program {p}" for p in args.program or ()]
+                       + (["--multithreaded"] if args.multithreaded else []))
+        if args.system_malloc:
+            cmd += " --system-malloc"
+            setup += " glibc malloc as is."
+        else:
+            from concerto_jax.costmodel.cpu import keep_freed_memory
+
+            if keep_freed_memory():
+                setup += (" malloc keeps freed memory (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=1 GiB: temporaries "
+                          "are reused, not faulted in per run).")
+        baseline.run_cpu_validation(args.out, repeats=args.repeats, programs=args.program, command=cmd,
+                                    setup=setup)
         with open(os.path.join(args.out, "baseline_cpu_validation.md")) as f:
             sys.stdout.write(f.read())
         return 0
