@@ -98,6 +98,7 @@ def calibrate(repeats: int = 15, out: str | None = None) -> dict:
         stop.set()
         th.join()
     result = {
+        "platform": dev0.platform,
         "overlap_slowdown": max(1.0, beside / alone),
         "chunk_overhead": max(0.0, max(overhead.values())),
         "chunk_overhead_by_n": {str(n): round(v, 4) for n, v in overhead.items()},
