@@ -51,6 +51,9 @@ def main(argv=None) -> int:
     d.add_argument("--case", action="append", help="run only this case (repeatable)")
     d.add_argument("--quick", action="store_true", help="run only the quick subset")
     d.add_argument("--out", default="bench/results", help="output directory")
+    d.add_argument("--taskgraph-only", action="store_true",
+                   help="only the task-graph columns (one stock compile per case, no final module)")
+    d.add_argument("--prefix", default=None, help="output file prefix")
     d.add_argument("-v", "--verbose", action="store_true")
     dc = sub.add_parser("decompose-calibrate",
                         help="measure the decomposition's chunk overhead and overlap slowdown (CPU)")
@@ -107,8 +110,9 @@ def main(argv=None) -> int:
     if args.command == "decompose":
         from bench import decompose_bench
 
-        prefix = "decompose_quick" if args.quick or args.case else "decompose"
-        rows = decompose_bench.run(suite.select_cases(args.case, args.quick), args.out, prefix)
+        prefix = args.prefix or ("decompose_quick" if args.quick or args.case else "decompose")
+        rows = decompose_bench.run(suite.select_cases(args.case, args.quick), args.out, prefix,
+                                   final_module=not args.taskgraph_only)
         with open(os.path.join(args.out, f"{prefix}.md")) as f:
             sys.stdout.write(f.read())
         return 0 if all(not str(r["status"]).startswith("error") for r in rows) else 1

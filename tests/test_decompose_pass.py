@@ -123,7 +123,8 @@ def test_joint_revision_drops_a_split_the_simulated_schedule_rejects(tmp_path):
     args = [jnp.zeros(a.shape, a.dtype, device=a.sharding) for a in args]
     module = hlo_passes.parse_module(capture(fwd, tuple(args)).hlo_text)
     cal = tmp_path / "cal.json"
-    cal.write_text(json.dumps({"overlap_slowdown": 1.0, "chunk_overhead": 0.0, "source": "test"}))
+    cal.write_text(json.dumps({"overlap_slowdown": 1.0, "chunk_overhead": 0.0, "source": "test",
+                               "platform": "gpu"}))
     opts = Options(target="h100_sxm_8", decompose=DecomposeOptions(calibration_path=os.fspath(cal)))
     outcome = decompose_pass(module, opts)
     s = outcome.stats
@@ -188,18 +189,18 @@ def test_schedule_criticality_finds_what_the_sum_rule_misses():
     f = _found(text, "schedule")
     assert f.collectives == 2 and f.critical == 1, f.exposed
     (rec,) = f.exposed
-    assert rec["rule"] == "schedule" and rec["psi_bound_us"] == 0.0
+    assert rec["rule"] == "schedule" and rec["psi_bound_us"] == 0.0  # the sum rule: hidden
     assert rec["exposed_us"] == pytest.approx(rec["time_us"], rel=1e-6)
     # The judge reaches the bound: the step exposes exactly one all-reduce.
     assert f.judged["main"]["exposed_comm_us"] == pytest.approx(rec["time_us"], rel=1e-3)
 
 
-def test_psi_rule_decides_where_no_schedule_can_hide():
+def test_both_rules_agree_where_nothing_can_hide():
     """Without the independent dot nothing can hide either all-reduce: both critical by the
-    P/S/I rule itself (bound = their whole time), whatever the schedule."""
+    P/S/I rule (bound = their whole time) and by the schedule, exposed whole."""
     f = _found(_chain_module(independent=False), "schedule")
     assert f.critical == 2
-    assert {r["rule"] for r in f.exposed} == {"psi"}
+    assert {r["rule"] for r in f.exposed} == {"psi+schedule"}
     for r in f.exposed:
         assert r["psi_bound_us"] == pytest.approx(r["time_us"]) == pytest.approx(r["exposed_us"])
 
@@ -208,11 +209,14 @@ def test_threshold_of_the_critical_test():
     from concerto_jax.decompose.critical import exposed_by_schedule
 
     g = _graph(0.0)
-    stalls = {1: 0.9}  # below 1 µs: not critical although the sum rule alone says exposed
+    stalls = {1: 0.9}  # below 1 µs: the schedule decides, not the sum rule's 25 µs
     (rec,) = find_critical(g, only_critical=False, launch_us=0.0, scheduled_exposed=stalls,
                            min_exposed_us=1.0, min_exposed_frac=0.05)
-    assert rec.exposed_us == pytest.approx(25.0)  # the P/S/I bound wins over the stall
-    assert rec.critical and rec.rule == "psi"
+    assert rec.bound_exposed_us == pytest.approx(25.0) and rec.psi_critical
+    assert rec.exposed_us == pytest.approx(0.9) and not rec.critical and rec.rule == "hidden"
+    (rec,) = find_critical(g, only_critical=False, scheduled_exposed={1: 25.0},
+                           min_exposed_us=1.0, min_exposed_frac=0.05)
+    assert rec.critical and rec.rule == "psi+schedule"
     g = _graph(100.0)
     (rec,) = find_critical(g, only_critical=False, scheduled_exposed={1: 1.4},
                            min_exposed_us=1.0, min_exposed_frac=0.05)

@@ -29,6 +29,12 @@ class Candidate:
     gain_us: float
     members: frozenset[str]
     computation: str = ""
+    variant: str = "both"  # which sides of the context split: "both", "pre" or "post"
+
+    @property
+    def key(self) -> tuple:
+        """Key of its context in ``search.Found.contexts``."""
+        return (self.computation, self.collective, self.axis, self.variant)
 
 
 class ChoiceError(RuntimeError):

@@ -67,6 +67,39 @@ class Context:
         """The largest split size (an upper bound on useful degrees)."""
         return min(i.shape.dims[p.out_dim] for i, p in self.plans.items())
 
+    def trimmed(self, keep_pre: bool, keep_post: bool,
+                cost_of: Callable[[object], float]) -> Context:
+        """This context without its pre side or its post side (the collective stays).
+
+        Every slice and concatenation the split adds is a memory pass on the unfused
+        graph; a side whose ops need large outside operands sliced can cost more than it
+        hides, so the search also prices the one-sided contexts. Pre members left with a
+        user outside are dropped too (a concatenation would undo their split), and so are
+        the broadcasts/iotas no kept member reads.
+        """
+        kept = {self.collective}
+        kept |= set(self.pre) if keep_pre else set()
+        kept |= set(self.post) if keep_post else set()
+        changed = True
+        while changed:  # pre members must have all their users in the context
+            changed = False
+            for inst in list(kept):
+                if inst in self.pre and any(u not in kept for u in inst.users):
+                    kept.discard(inst)
+                    changed = True
+        out = Context(self.collective, self.axis)
+        for inst, plan in self.plans.items():
+            if inst in kept:
+                out.plans[inst] = plan
+        for inst, plan in self.plans.items():
+            if plan.replicable and any(u in kept for u in inst.users):
+                out.plans[inst] = plan
+        out.pre = [i for i in self.pre if i in kept]
+        out.post = [i for i in self.post if i in kept]
+        out.pre_us = sum(cost_of(i) for i in out.pre)
+        out.post_us = sum(cost_of(i) for i in out.post)
+        return out
+
 
 def _joinable(inst, comp) -> bool:
     return (inst.parent is comp and inst.opcode not in _NEVER and inst.shape.is_array

@@ -48,11 +48,14 @@ class Calibration:
         unsplit op (``(t_N - t_1) / ((N - 1) t_1)``, minimum over repeats).
       source: where the figures come from (machine, command, date), or
         ``"default"`` when no measurement file exists.
+      platform: where they were measured (``"cpu"``, ``"gpu"``); the pass takes the
+        overlap slowdown only from a measurement on the target's platform.
     """
 
     overlap_slowdown: float
     chunk_overhead: float
     source: str
+    platform: str = "cpu"
 
     @classmethod
     def load(cls, path: str = CALIBRATION_FILE) -> Calibration:
@@ -64,7 +67,7 @@ class Calibration:
         with open(path) as f:
             data = json.load(f)
         return cls(float(data["overlap_slowdown"]), float(data["chunk_overhead"]),
-                   str(data.get("source", path)))
+                   str(data.get("source", path)), str(data.get("platform", "cpu")))
 
 
 @dataclasses.dataclass(frozen=True)

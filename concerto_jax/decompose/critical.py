@@ -1,28 +1,32 @@
 """Critical collectives: those whose time the schedule cannot cover.
 
-Two tests, the first a filter for the second:
+Two tests, the paper's first:
 
 1. **Predecessor / successor / independent rule** (Concerto §5.1). For a
    collective task D of a ``TaskGraph``, the other tasks split into its
    predecessors P (transitive), successors S and the independent ones I. No
    order can overlap D with P or S, so at most the compute of I hides it, and
-   I's own collectives compete for the communication stream. When
-   ``sum(compute in I) - sum(comm in I) < time(D)`` D is critical under *every*
-   schedule, and ``time(D) - max(0, slack)`` is a lower bound of its exposed time.
-2. **Simulated schedule.** Rule 1 lets every collective count the whole of I,
-   though one kernel can hide only one collective at a time: on a full train
-   step the other layers' weight-gradient GEMMs and the optimizer count as
-   independent of every all-reduce, so rule 1 declares none critical while the
-   schedules leave a third of the step exposed. A collective that passes rule 1
-   is therefore judged by the schedule it actually gets: the graph is scheduled
-   (the schedule pass's scheduler, ``concerto_jax.scheduler.schedule``) and
-   simulated, and the collective's *exposed* time is the time the compute
-   stream stalls at its DONE (``exposed_by_schedule``). The stalls of all
-   collectives sum to the step's idle compute time, so no exposure is counted
-   twice.
+   I's own collectives compete for communication. The paper calls D critical
+   when ``sum(compute in I) - sum(comm in I) < time(D)``, with exposed time
+   ``time(D) - max(0, slack)`` (``bound_exposed_us``).
+2. **Simulated schedule** (the decision, ``criticality="schedule"``). Rule 1
+   lets every collective count the whole of I, though one kernel hides one
+   collective at a time: on a full train step the other layers' weight-gradient
+   GEMMs and the optimizer count as independent of every all-reduce, so rule 1
+   declares none critical while the schedules leave a third of the step
+   exposed. Conversely it subtracts every independent collective, also those
+   on other communication streams, so on ZeRO-3 over 2 hosts it flags 52
+   collectives that the simulated schedule hides completely. So rule 1 is
+   computed first and reported (``rule``: ``"psi+schedule"`` where both agree),
+   and the schedule decides: the graph is scheduled by the schedule pass's
+   scheduler (``concerto_jax.scheduler.schedule``) and simulated, and the
+   collective's *exposed* time is the time the compute stream stalls at its
+   DONE (``exposed_by_schedule``). The stalls of all collectives sum to the
+   step's idle compute time, so no exposure is counted twice.
 
-D is critical when its exposed time (the larger of the two) exceeds
-``max(min_exposed_us, min_exposed_frac * time(D))``.
+D is critical when its exposed time exceeds
+``max(min_exposed_us, min_exposed_frac * time(D))`` (the pass's defaults:
+1 µs and 5 %, ``DecomposeOptions``).
 
 References: Concerto (ASPLOS'25) §5.1, critical communication.
 """
@@ -54,6 +58,7 @@ class Criticality:
       independent_comm_us: collective time of the tasks independent of it.
       scheduled_exposed_us: the compute stream's stall at the collective's DONE in the
         simulated schedule (None: judged by the P/S/I rule alone).
+      exposed_us: the stall (or, without a schedule, ``bound_exposed_us``); the ranking key.
       min_exposed_us: absolute threshold of the critical test.
       min_exposed_frac: threshold relative to ``time_us``.
     """
@@ -78,22 +83,32 @@ class Criticality:
 
     @property
     def exposed_us(self) -> float:
-        """The larger of the P/S/I lower bound and the simulated schedule's stall."""
-        return max(self.bound_exposed_us, self.scheduled_exposed_us or 0.0)
+        """The simulated schedule's stall; without a schedule, the P/S/I estimate."""
+        if self.scheduled_exposed_us is None:
+            return self.bound_exposed_us
+        return self.scheduled_exposed_us
+
+    @property
+    def psi_critical(self) -> bool:
+        """The paper's rule: independent compute minus independent comm below ``time``."""
+        return self.slack_us < self.time_us
 
     @property
     def critical(self) -> bool:
         threshold = max(self.min_exposed_us, self.min_exposed_frac * self.time_us)
         if self.scheduled_exposed_us is None:  # the paper's rule alone
-            return self.slack_us < self.time_us and self.bound_exposed_us > threshold
-        return self.exposed_us > threshold
+            return self.psi_critical and self.bound_exposed_us > threshold
+        return self.scheduled_exposed_us > threshold
 
     @property
     def rule(self) -> str:
-        """Which test decided: ``"psi"`` (no schedule can hide it), ``"schedule"`` or ``"hidden"``."""
-        if self.slack_us < self.time_us and self.bound_exposed_us > 0:
+        """``"psi+schedule"`` (both tests), ``"schedule"`` (the schedule alone), ``"psi"``
+        (the rule alone: no schedule was judged) or ``"hidden"``."""
+        if not self.critical:
+            return "hidden"
+        if self.scheduled_exposed_us is None:
             return "psi"
-        return "schedule" if self.critical else "hidden"
+        return "psi+schedule" if self.psi_critical else "schedule"
 
 
 def exposed_by_schedule(graph: TaskGraph, events: Sequence[Event], timings) -> dict[int, float]:
@@ -155,8 +170,9 @@ def find_critical(graph: TaskGraph, *, only_critical: bool = True,
         are independent of a forward all-reduce and, counted whole, "cover" it, though
         XLA fuses them into a few kernels. Measured on GPT tiny TP: 571 µs of
         independent compute against a 10.8 µs all-reduce, almost all of it launches.
-      scheduled_exposed: ``exposed_by_schedule`` of a simulated schedule of ``graph``;
-        None: the P/S/I rule alone decides.
+      scheduled_exposed: ``exposed_by_schedule`` of a simulated schedule of ``graph``: it
+        decides (the P/S/I figures are still computed and reported); None: the P/S/I
+        rule alone decides.
       min_exposed_us: absolute threshold of the critical test (µs).
       min_exposed_frac: threshold relative to the collective's time.
 

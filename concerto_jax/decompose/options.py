@@ -30,11 +30,18 @@ class DecomposeOptions:
     max_context_ops: int = 256
     # Stop a context side once its compute reaches this multiple of the collective's time.
     cover_factor: float = 1.0
+    # Also price each two-sided context with only its pre side or only its post side
+    # split (Context.trimmed): the slices / concatenations of one side can cost more
+    # than that side hides.
+    one_sided: bool = True
     # Judge the chosen strategies by scheduling + simulating the rewritten graph and
     # revise them (other degree, other axis, none) where that is faster (joint search).
     joint: bool = True
     # At most this many rewrite-schedule-simulate evaluations in the joint search.
     joint_max_evaluations: int = 24
+    # Per chosen collective, "none" and at most this many other strategies (the best
+    # predicted first) are simulated.
+    joint_alternatives: int = 2
     # Decompose collectives inside while bodies (scanned layers) too.
     loop_bodies: bool = True
     # Path of the measured calibration JSON (None: the one shipped with the package).

@@ -70,13 +70,16 @@ def judge_options(options: DecomposeOptions,
     return dataclasses.replace(base, full_model_max_tasks=0, odd_even=oe, progress=False)
 
 
-def judge_schedule(graph, initial, sched_options: scheduler.ScheduleOptions, slowdown: float):
-    """(events, ``SimResult``) of ``graph`` scheduled by the judge and simulated."""
+def judge_schedule(graph, initial, sched_options: scheduler.ScheduleOptions, slowdown: float,
+                   with_result: bool = False):
+    """(events, ``SimResult``) of ``graph`` scheduled by the judge and simulated (and the
+    ``ScheduleResult`` with ``with_result``)."""
     from concerto_jax.simulator import SimOptions, simulate
 
     res = scheduler.schedule(graph, sched_options, initial=initial)
     events = list(res.events)
-    return events, simulate(graph, events, SimOptions(overlap_slowdown=slowdown, memory=False))
+    sim = simulate(graph, events, SimOptions(overlap_slowdown=slowdown, memory=False))
+    return (events, sim, res) if with_result else (events, sim)
 
 
 @dataclasses.dataclass
@@ -89,7 +92,7 @@ class Found:
     """
 
     candidates: list[Candidate]
-    contexts: dict  # (computation, collective, axis) -> Context
+    contexts: dict  # Candidate.key: (computation, collective, axis, variant) -> Context
     critical: int = 0
     collectives: int = 0
     exposed: list = dataclasses.field(default_factory=list)
@@ -109,6 +112,8 @@ def find_candidates(module, cost_model, calibration: Calibration,
       schedule_options: the schedule pass's scheduler options (the judge derives its own
         from them, see ``judge_options``); None: the defaults.
     """
+    from concerto_jax.simulator import SimOptions, simulate
+
     cache: dict = {}
 
     def cost_of(inst) -> float:
@@ -123,7 +128,10 @@ def find_candidates(module, cost_model, calibration: Calibration,
         if options.criticality == "schedule" and any(t.is_collective for t in hg.graph.tasks):
             events, sim = judge_schedule(hg.graph, hg.events, judge, calibration.overlap_slowdown)
             stalls = exposed_by_schedule(hg.graph, events, sim.timings)
-            found.judged[comp.name] = {"step_us": round(sim.step_time_us, 1),
+            prog = simulate(hg.graph, hg.events, SimOptions(
+                overlap_slowdown=calibration.overlap_slowdown, memory=False))
+            found.judged[comp.name] = {"program_order_us": round(prog.step_time_us, 1),
+                                       "step_us": round(sim.step_time_us, 1),
                                        "exposed_comm_us": round(sim.exposed_comm_us, 1)}
         crits = find_critical(hg.graph, only_critical=False, launch_us=launch,
                               scheduled_exposed=stalls, min_exposed_us=options.min_exposed_us,
@@ -148,15 +156,23 @@ def find_candidates(module, cost_model, calibration: Calibration,
                                     cover_us=options.cover_factor * rec.time_us)
                 if ctx is None or (not ctx.pre and not ctx.post):
                     continue
-                found.contexts[(comp.name, coll.name, axis)] = ctx
-                n = 2
-                while n <= min(options.max_degree, ctx.max_degree()):
-                    if ctx.divisible_by(n):
-                        sc = strategy_cost(ctx, n, cost_model, rec.exposed_us, rec.time_us,
-                                           calibration, groups)
-                        found.candidates.append(Candidate(
-                            coll.name, axis, n, sc.gain_us, frozenset(ctx.members()), comp.name))
-                    n *= 2
+                variants = {"both": ctx}
+                if ctx.pre and ctx.post and options.one_sided:
+                    variants["pre"] = ctx.trimmed(True, False, cost_of)
+                    variants["post"] = ctx.trimmed(False, True, cost_of)
+                for variant, vctx in variants.items():
+                    if not vctx.pre and not vctx.post:
+                        continue
+                    found.contexts[(comp.name, coll.name, axis, variant)] = vctx
+                    n = 2
+                    while n <= min(options.max_degree, vctx.max_degree()):
+                        if vctx.divisible_by(n):
+                            sc = strategy_cost(vctx, n, cost_model, rec.exposed_us, rec.time_us,
+                                               calibration, groups)
+                            found.candidates.append(Candidate(
+                                coll.name, axis, n, sc.gain_us, frozenset(vctx.members()),
+                                comp.name, variant))
+                        n *= 2
     found.exposed.sort(key=lambda r: -r["exposed_us"])
     return found
 
@@ -172,28 +188,30 @@ def apply(module, chosen: list[Candidate], contexts: dict) -> list[dict]:
 
     done = []
     for c in chosen:
-        ctx = contexts[(c.computation, c.collective, c.axis)]
+        ctx = contexts[c.key]
         comp = module.computation(c.computation)
         plans = {comp.instruction(i.name): p for i, p in ctx.plans.items()}
         res = split_instructions(comp, plans, c.n, fresh)
         done.append({"collective": c.collective, "computation": c.computation, "axis": c.axis,
-                     "n": c.n, "predicted_gain_us": round(c.gain_us, 2),
+                     "n": c.n, "sides": c.variant, "predicted_gain_us": round(c.gain_us, 2),
                      "members": len(ctx.plans), "slices": len(res.slices),
                      "concats": len(res.concats)})
     return done
 
 
 def simulated_step_us(module, cost_model, slowdown: float,
-                      sched_options: scheduler.ScheduleOptions | None = None) -> float:
+                      sched_options: scheduler.ScheduleOptions | None = None,
+                      with_limit: bool = False):
     """Step time of ``module``'s entry computation scheduled by the judge
     (``judge_options``; None: the list heuristic under the default memory rule) and
-    simulated with the measured overlap slowdown."""
+    simulated with the measured overlap slowdown (with ``with_limit``: and the memory
+    limit in bytes the schedule was held to)."""
     hg = build_taskgraph(module, cost_model)
     if sched_options is None:
         sched_options = scheduler.ScheduleOptions(full_model_max_tasks=0, odd_even=None,
                                                   progress=False)
-    _, sim = judge_schedule(hg.graph, hg.events, sched_options, slowdown)
-    return sim.step_time_us
+    _, sim, res = judge_schedule(hg.graph, hg.events, sched_options, slowdown, with_result=True)
+    return (sim.step_time_us, res.memory_limit_bytes) if with_limit else sim.step_time_us
 
 
 def _copy(module):
@@ -224,7 +242,14 @@ def joint_revise(module, found: Found, chosen: list[Candidate], cost_model,
         apply(trial, entry_choice, found.contexts)
         return simulated_step_us(trial, cost_model, calibration.overlap_slowdown, judge)
 
-    base = score([])
+    evals[0] += 1
+    base, limit = simulated_step_us(_copy(module), cost_model, calibration.overlap_slowdown,
+                                    judge, with_limit=True)
+    # Every rewritten graph is held to the unsplit module's limit in bytes: the memory rule
+    # is relative to the input order's peak, and a split that raises the program-order peak
+    # would otherwise buy its schedule more memory (a "gain" that is not the split's).
+    if limit is not None:
+        judge = dataclasses.replace(judge, memory_limit_bytes=limit)
     current = list(chosen)
     best = score(current) if current else base
     first = best
@@ -235,9 +260,10 @@ def joint_revise(module, found: Found, chosen: list[Candidate], cost_model,
             continue
         orig, before = c, best
         alts = [a for a in found.candidates if a.computation == entry
-                and a.collective == c.collective and (a.axis, a.n) != (c.axis, c.n)]
+                and a.collective == c.collective and (a.axis, a.n, a.variant)
+                != (c.axis, c.n, c.variant)]
         alts.sort(key=lambda a: -a.gain_us)
-        for alt in [None] + alts:
+        for alt in [None] + alts[:options.joint_alternatives]:
             if evals[0] >= options.joint_max_evaluations:
                 break
             others = [x for x in current if x is not c]
@@ -256,8 +282,9 @@ def joint_revise(module, found: Found, chosen: list[Candidate], cost_model,
         elif c is orig:
             verdict = "dropped"
         else:
-            verdict = f"replaced by axis {c.axis} N={c.n}"
+            verdict = f"replaced by axis {c.axis} N={c.n} sides {c.variant}"
         verdicts.append({"collective": orig.collective, "axis": orig.axis, "n": orig.n,
+                         "sides": orig.variant,
                          "predicted_gain_us": round(orig.gain_us, 2), "verdict": verdict,
                          "simulated_before_us": round(before, 1), "simulated_after_us": round(best, 1)})
     stats = {"baseline_us": round(base, 1), "first_choice_us": round(first, 1),
