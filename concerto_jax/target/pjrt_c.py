@@ -158,7 +158,6 @@ class PjrtCApi:
             if not addr:
                 raise PjrtCError(name, -1, "not provided by the plugin")
             self._fns[name] = proto(addr)
-        self._lock = threading.Lock()
         self._check("PJRT_Plugin_Initialize", _new(_PluginInitializeArgs))
         log.debug("PJRT C API %d.%d from %s", *self.version, path)
 
