@@ -25,10 +25,19 @@ def _hidden(name: str) -> bool:
     return name in PLUGIN_FILES or name.startswith(("jax_cuda13_pjrt-", "jax_cuda13_plugin-"))
 
 
+def _plugin_home() -> str:
+    """Where the plugin's files are: site-packages (old installs) or our private directory (the set-up's)."""
+    from concerto_jax.target.cuda_plugin import plugin_dir
+
+    for home in (SITE, plugin_dir()):
+        if os.path.isdir(os.path.join(home, "jax_plugins", "xla_cuda13")):
+            return home
+    pytest.skip("the CUDA plugin is not installed here: run `python -m concerto_jax.target.cuda_plugin install`")
+
+
 @pytest.fixture(scope="module")
 def fresh_env(tmp_path_factory):
-    if not os.path.isdir(os.path.join(SITE, "jax_plugins", "xla_cuda13")):
-        pytest.skip("the CUDA plugin is not installed here (nothing to relocate)")
+    home = _plugin_home()
     root = tmp_path_factory.mktemp("env")
     site = root / "site"
     site.mkdir()
@@ -36,10 +45,14 @@ def fresh_env(tmp_path_factory):
         name = os.path.basename(path)
         if not _hidden(name) and not name.endswith(".pth"):
             os.symlink(path, site / name)
+    # The private directory as `cuda_plugin install` lays it out: the two packages AND their
+    # dist-info (whose entry points JAX's discovery reads once the folder is on sys.path).
     private = root / "cuda-plugin"
     (private / "jax_plugins").mkdir(parents=True)
-    os.symlink(os.path.join(SITE, "jax_plugins", "xla_cuda13"), private / "jax_plugins" / "xla_cuda13")
-    os.symlink(os.path.join(SITE, "jax_cuda13_plugin"), private / "jax_cuda13_plugin")
+    os.symlink(os.path.join(home, "jax_plugins", "xla_cuda13"), private / "jax_plugins" / "xla_cuda13")
+    os.symlink(os.path.join(home, "jax_cuda13_plugin"), private / "jax_cuda13_plugin")
+    for info in glob.glob(os.path.join(home, "jax_cuda13_*.dist-info")):
+        os.symlink(info, private / os.path.basename(info))
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "PYTHONPATH")}
     env.update(PYTHONPATH=f"{REPO}{os.pathsep}{site}", CONCERTO_JAX_CUDA_PLUGIN_DIR=str(private))
     return env
@@ -55,6 +68,23 @@ def test_plain_jax_program_starts_quietly(fresh_env):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "cpu"
     for noise in ("Traceback", "cuDNN", "plugin configuration error"):
+        assert noise not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_target_mesh_then_compile_is_quiet(fresh_env):
+    # ensure_registered puts the private folder on sys.path; JAX's one plugin discovery must not
+    # find the plugin there a second time (it used to print an ALREADY_EXISTS traceback).
+    code = (
+        "import concerto_jax\n"
+        "mesh = concerto_jax.target_mesh('h100_sxm_8', (8,), ('x',))\n"
+        "import jax\n"
+        "print(len(mesh.devices.flat), jax.devices()[0].platform)\n"
+    )
+    # JAX_PLATFORMS=cpu as the deviceless compile requires (the noise showed only then).
+    proc = _run({**fresh_env, "JAX_PLATFORMS": "cpu"}, code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "8 cpu"
+    for noise in ("Traceback", "ALREADY_EXISTS", "plugin configuration error"):
         assert noise not in proc.stderr, proc.stderr[-2000:]
 
 

@@ -98,6 +98,10 @@ def ensure_registered() -> bool:
         return False
     if "cuda" in xb._topology_factories:  # registered from the folder by an earlier call
         return True
+    # JAX discovers `jax_plugins.*` once, at its first backend or topology use. Let that run
+    # now, before our folder is on sys.path: a discovery after the append would find the plugin
+    # again and print an ALREADY_EXISTS traceback from its second initialize().
+    xb._discover_and_register_pjrt_plugins()
     if folder not in sys.path:
         sys.path.append(folder)  # after site-packages; only this process, after JAX started
     importlib.invalidate_caches()
