@@ -337,7 +337,7 @@ def _validation_programs(names=None):
     return [(n, *makers[n]()) for n in names]
 
 
-def _validation_markdown(rows, spec, command: str, setup: str, load: tuple, seconds: float, top: int) -> str:
+def _validation_markdown(rows, command: str, setup: str, load: tuple, seconds: float, top: int) -> str:
     from concerto_jax.costmodel.cpu import mean_abs_error_pct
 
     md = ["# CPU validation: simulated vs measured single-device programs", "",
@@ -355,7 +355,9 @@ def _validation_markdown(rows, spec, command: str, setup: str, load: tuple, seco
            f"{mean_abs_error_pct([r.store_error_pct for r in rows]):.1f} %, analytic "
            f"{mean_abs_error_pct([r.analytic_error_pct for r in rows]):.1f} %; wall time: per-kernel store "
            f"{mean_abs_error_pct([r.store_wall_error_pct for r in rows]):.1f} %.",
-           f"CPU spec: {'; '.join(spec.sources)}.", "",
+           "CPU spec of the analytical model, probes timed in each program's rounds:", ""]
+    md += [f"- {r.name}: {r.cpu_spec}" for r in rows]
+    md += ["",
            "measured: median process CPU time of the jitted program less a program with the same arguments and",
            "output leaves that does nothing (its dispatch); one pinned core, so that is the time the core spent on it",
            "(waiting for a neighbour does not count). store: every kernel of XLA:CPU's optimized module compiled",
@@ -396,17 +398,16 @@ def run_cpu_validation(out_dir: str = "bench/results", prefix: str = "baseline_c
       setup: how XLA:CPU was configured (threads, affinity), for the report.
       top: kernels listed per program in the per-kernel table.
     """
-    from concerto_jax.costmodel.cpu import measure_cpu_spec, validate_program
+    from concerto_jax.costmodel.cpu import validate_program
 
     t0 = time.perf_counter()
     load0 = os.getloadavg()
     os.makedirs(out_dir, exist_ok=True)
-    spec = measure_cpu_spec()
     rows = []
     progs = _validation_programs(programs)
     for k, (name, fn, args) in enumerate(progs, 1):
         log.info("[%d/%d] validating %s", k, len(progs), name)
-        rows.append(validate_program(name, fn, args, cpu_spec=spec, repeats=repeats))
+        rows.append(validate_program(name, fn, args, repeats=repeats))
         log.info("%s: measured %.0f us, store %+.1f %%, analytic %+.1f %%", name, rows[-1].measured_us,
                  rows[-1].store_error_pct, rows[-1].analytic_error_pct)
     fields = ("name", "measured_us", "from_store_us", "store_error_pct", "analytic_us", "analytic_error_pct",
@@ -417,7 +418,7 @@ def run_cpu_validation(out_dir: str = "bench/results", prefix: str = "baseline_c
         w.writerow(fields)
         for r in rows:
             w.writerow([round(v, 1) if isinstance(v, float) else v for v in (getattr(r, k) for k in fields)])
-    md = _validation_markdown(rows, spec, command, setup, (load0, os.getloadavg()), time.perf_counter() - t0, top)
+    md = _validation_markdown(rows, command, setup, (load0, os.getloadavg()), time.perf_counter() - t0, top)
     with open(os.path.join(out_dir, prefix + ".md"), "w") as f:
         f.write(md)
     return rows

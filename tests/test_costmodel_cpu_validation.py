@@ -92,7 +92,7 @@ def test_markdown_mean_matches_rows():
                           (KernelRow("k", 100.0, 110.0, 50.0),), 0, 0),
             ValidationRow("b", 100.0, 80.0, 130.0, 1, 0, 100.0, 100.0, 100.0,
                           (KernelRow("k", 100.0, 80.0, 130.0),), 0, 0)]
-    md = _validation_markdown(rows, SPEC, "cmd", "setup", ((0, 0, 0), (0, 0, 0)), 1.0, top=1)
+    md = _validation_markdown(rows, "cmd", "setup", ((0, 0, 0), (0, 0, 0)), 1.0, top=1)
     assert "per-kernel store 15.0 %, analytic 40.0 %" in md
     assert "| a | 100 | 110 | +10.0 | 50 | -50.0 |" in md
 

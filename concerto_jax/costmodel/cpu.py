@@ -499,48 +499,58 @@ def pin_to_one_cpu(cpu: int | None = None) -> int:
     return cpu
 
 
-def measure_cpu_spec(n: int = 512, stream_elements: int = 1 << 20, repeats: int = 10) -> GpuSpec:
-    """A ``GpuSpec`` for the host CPU from microbenchmarks: f32 GEMM rate, streaming bandwidth, vector rate.
+@dataclasses.dataclass(frozen=True)
+class CpuSpecProbes:
+    """Microbenchmarks of the host CPU, to be timed with other runners (``spec_from``).
 
-    Each probe is a jitted program timed in process CPU time (median of ``repeats``,
-    less a trivial jitted program's), like the programs it is used to predict; on a
-    shared machine a wall-time probe measured half the GEMM rate under load. The
-    sizes are those of the validation programs' kernels: an ``n``-cubed GEMM, and
-    ``stream_elements`` f32 (4 MiB read + 4 MiB written by default), which stay in
-    the caches as these programs' activations do (a 16 MiB stream measured DRAM
-    bandwidth instead, ~3x lower here). The vector rate comes from a 16-term
-    polynomial (32 FLOPs per element) over the same array.
-
-    Args:
+    Attributes:
+      runners: probe name -> runs it once (``"gemm"``, ``"axpy"``, ``"poly"``, ``"trivial"``).
       n: GEMM size.
       stream_elements: elements of the streaming and vector probes.
-      repeats: timed runs per probe.
+    """
+
+    runners: dict
+    n: int
+    stream_elements: int
+
+    def spec_from(self, cpu_us: dict[str, float]) -> GpuSpec:
+        """The ``GpuSpec`` from the probes' process CPU times (``trivial`` is subtracted from the others)."""
+        overhead = cpu_us["trivial"]
+        t_mm, t_bw, t_vec = (max(cpu_us[k] - overhead, 1e-3) for k in ("gemm", "axpy", "poly"))
+        n, e = self.n, self.stream_elements
+        flops = 2.0 * n**3 / (t_mm * 1e-6)
+        bw = 2.0 * 4 * e / (t_bw * 1e-6)
+        ew = 32.0 * e / (t_vec * 1e-6)
+        return GpuSpec(
+            name="host CPU (measured)",
+            matmul_tflops=(("f32", flops / 1e12), ("bf16", flops / 1e12)),
+            vector_tflops=(("f32", ew / 1e12),),
+            hbm_bytes_per_s=bw, memory_bytes=0, sm_count=0, nvlink_bytes_per_s=0.0, pcie_bytes_per_s=0.0,
+            sources=(f"measured here (process CPU time): {n}^3 f32 matmul {t_mm:.0f} us ({flops / 1e9:.1f} GFLOP/s); "
+                     f"{e} f32 axpy {t_bw:.0f} us ({bw / 1e9:.1f} GB/s); 16-term polynomial "
+                     f"{t_vec:.0f} us ({ew / 1e9:.1f} GFLOP/s)",),
+        )
+
+
+def cpu_spec_probes(n: int = 512, stream_elements: int = 1 << 20) -> CpuSpecProbes:
+    """The probes of ``measure_cpu_spec``: f32 GEMM, streaming axpy, 16-term polynomial, trivial program.
+
+    The sizes are those of the validation programs' kernels: an ``n``-cubed GEMM,
+    and ``stream_elements`` f32 (4 MiB read + 4 MiB written by default), which stay
+    in the caches as these programs' activations do (a 16 MiB stream measured DRAM
+    bandwidth instead, ~3x lower here). The vector rate comes from a 16-term
+    polynomial (32 FLOPs per element) over the same array.
     """
     import jax
     import jax.numpy as jnp
 
     dev = jax.devices("cpu")[0]
-
-    def best_cpu_us(f) -> float:
-        for _ in range(2):
-            f()
-        samples = []
-        for _ in range(repeats):
-            f()  # warm, as the validated kernels are timed
-            c = time.process_time_ns()
-            f()
-            samples.append(1e-3 * (time.process_time_ns() - c))
-        return _median(samples)
-
     small = jax.device_put(jnp.ones((1,), jnp.float32), dev)
     trivial = jax.jit(lambda x: -x)
-    overhead = best_cpu_us(lambda: trivial(small).block_until_ready())
     a = jax.device_put(jnp.ones((n, n), jnp.float32), dev)
     mm = jax.jit(lambda x, y: x @ y)
-    t_mm = max(best_cpu_us(lambda: mm(a, a).block_until_ready()) - overhead, 1e-3)
     v = jax.device_put(jnp.full((stream_elements,), 0.5, jnp.float32), dev)
     axpy = jax.jit(lambda x: x * 1.5 + 1.0)
-    t_bw = max(best_cpu_us(lambda: axpy(v).block_until_ready()) - overhead, 1e-3)
 
     def poly(x):
         y = x
@@ -549,21 +559,32 @@ def measure_cpu_spec(n: int = 512, stream_elements: int = 1 << 20, repeats: int 
         return y
 
     vec = jax.jit(poly)
-    t_vec = max(best_cpu_us(lambda: vec(v).block_until_ready()) - overhead, 1e-3)
-    flops = 2.0 * n**3 / (t_mm * 1e-6)
-    bw = 2.0 * 4 * stream_elements / (t_bw * 1e-6)
-    ew = 32.0 * stream_elements / (t_vec * 1e-6)
-    log.info("host CPU: %.1f GFLOP/s f32 GEMM, %.1f GB/s streaming, %.1f GFLOP/s vector", flops / 1e9, bw / 1e9,
-             ew / 1e9)
-    return GpuSpec(
-        name="host CPU (measured)",
-        matmul_tflops=(("f32", flops / 1e12), ("bf16", flops / 1e12)),
-        vector_tflops=(("f32", ew / 1e12),),
-        hbm_bytes_per_s=bw, memory_bytes=0, sm_count=0, nvlink_bytes_per_s=0.0, pcie_bytes_per_s=0.0,
-        sources=(f"measured here (process CPU time): {n}^3 f32 matmul {t_mm:.0f} us ({flops / 1e9:.1f} GFLOP/s); "
-                 f"{stream_elements} f32 axpy {t_bw:.0f} us ({bw / 1e9:.1f} GB/s); 16-term polynomial "
-                 f"{t_vec:.0f} us ({ew / 1e9:.1f} GFLOP/s)",),
-    )
+    return CpuSpecProbes({"trivial": lambda: trivial(small).block_until_ready(),
+                          "gemm": lambda: mm(a, a).block_until_ready(),
+                          "axpy": lambda: axpy(v).block_until_ready(),
+                          "poly": lambda: vec(v).block_until_ready()}, n, stream_elements)
+
+
+def measure_cpu_spec(n: int = 512, stream_elements: int = 1 << 20, repeats: int = 10) -> GpuSpec:
+    """A ``GpuSpec`` for the host CPU from microbenchmarks: f32 GEMM rate, streaming bandwidth, vector rate.
+
+    Each probe (``cpu_spec_probes``) is a jitted program timed in process CPU time
+    (median of ``repeats``, warm, less a trivial jitted program's), like the programs
+    it is used to predict; on a shared machine a wall-time probe measured half the
+    GEMM rate under load. ``validate_program`` times the probes in the same rounds
+    as the program instead: the cache-resident streaming probe moved between 20 and
+    63 GB/s from one run to the next with the neighbours' load.
+
+    Args:
+      n: GEMM size.
+      stream_elements: elements of the streaming and vector probes.
+      repeats: timed runs per probe.
+    """
+    probes = cpu_spec_probes(n, stream_elements)
+    best = interleaved_best(probes.runners, repeats, warm=True)
+    spec = probes.spec_from({k: b.cpu_us for k, b in best.items()})
+    log.info("host CPU: %s", spec.sources[0])
+    return spec
 
 
 CPU_COMPUTE_OPTIONS = ComputeOptions(matmul_efficiency=1.0, memory_efficiency=1.0, launch_overhead_us=1.0)
@@ -602,6 +623,7 @@ class ValidationRow:
       kernel_rows: per-kernel comparison, program order.
       page_faults: fewest minor page faults of one program run.
       temp_bytes: the executable's temporary buffer (XLA's memory analysis).
+      cpu_spec: what the CPU spec's probes measured (its ``sources`` line).
     """
 
     name: str
@@ -616,6 +638,7 @@ class ValidationRow:
     kernel_rows: tuple[KernelRow, ...] = ()
     page_faults: int = -1
     temp_bytes: int = -1
+    cpu_spec: str = ""
 
     @staticmethod
     def _err(predicted: float, measured: float) -> float:
@@ -677,7 +700,9 @@ def validate_program(name: str, fn: Callable, args: Sequence, *, cpu_spec: GpuSp
       name: program name (reports).
       fn: the function (jitted here, no donation).
       args: its arguments (placed on CPU device 0).
-      cpu_spec: the CPU spec of the analytical model (``measure_cpu_spec()`` by default).
+      cpu_spec: the CPU spec of the analytical model; by default its probes
+        (``cpu_spec_probes``) are timed in the program's rounds, so the spec is
+        measured under the same load as the program it predicts (``ValidationRow.cpu_spec``).
       repeats: interleaved timing rounds.
       profile_repeats: profiled program runs for the per-kernel comparison (0: none).
     """
@@ -698,13 +723,16 @@ def validate_program(name: str, fn: Callable, args: Sequence, *, cpu_spec: GpuSp
     def program():
         return jax.block_until_ready(compiled(*args))
 
-    # Program, its dispatch overhead (a trivial jitted program) and every kernel timed in the same rounds.
-    prof = profile_module_on_cpu(module, repeats=repeats, profile_repeats=profile_repeats, extra={
-        "program": program, "jit_overhead": lambda: jax.block_until_ready(twin(*args))})
+    # Program, its dispatch overhead, every kernel and (unless given) the CPU spec's probes in the same rounds.
+    probes = cpu_spec_probes() if cpu_spec is None else None
+    extra = {"program": program, "jit_overhead": lambda: jax.block_until_ready(twin(*args))}
+    extra.update({f"probe:{k}": run for k, run in (probes.runners.items() if probes else ())})
+    prof = profile_module_on_cpu(module, repeats=repeats, profile_repeats=profile_repeats, extra=extra)
     measured_wall = max(prof.extra_us["program"] - prof.extra_us["jit_overhead"], 1e-3)
     measured = max(prof.extra_cpu_us["program"] - prof.extra_cpu_us["jit_overhead"], 1e-3)
     cluster = get_cluster("h100_sxm_8")  # placement only; single device programs have no collectives
-    spec = cpu_spec or measure_cpu_spec()
+    spec = cpu_spec or probes.spec_from({k[len("probe:"):]: v for k, v in prof.extra_cpu_us.items()
+                                         if k.startswith("probe:")})
     opts = CostOptions(compute=CPU_COMPUTE_OPTIONS, overlap_slowdown=1.0)
     sim = SimOptions(overlap_slowdown=1.0, memory=False)
 
@@ -725,4 +753,4 @@ def validate_program(name: str, fn: Callable, args: Sequence, *, cpu_spec: GpuSp
                          len(prof.failed), measured_wall,
                          simulated(CostModel(cluster, opts, store=prof.store, gpu=spec)),
                          sum(in_prog.values()) if in_prog else float("nan"), rows, page_faults_per_run(program),
-                         temp)
+                         temp, spec.sources[0] if spec.sources else spec.name)
