@@ -37,18 +37,6 @@ _NP_DTYPES = {"f32": np.float32, "f64": np.float64, "f16": np.float16, "s32": np
               "u32": np.uint32, "u8": np.uint8, "s8": np.int8, "pred": np.bool_}
 
 
-def _best_us(run: Callable[[], object], repeats: int, warmup: int = 2) -> float:
-    """Minimum wall time over ``repeats`` runs: the least disturbed sample on a shared machine."""
-    for _ in range(warmup):
-        run()
-    samples = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - t)
-    return 1e6 * min(samples)
-
-
 def compile_hlo_cpu(text: str):
     """Compile HLO text for CPU device 0 through XLA's parser and StableHLO (a loaded executable)."""
     import jax
@@ -232,28 +220,11 @@ def interleaved_best(runners: dict[str, Callable[[], object]], repeats: int, war
     return {k: Best(min(wall[k]), _median(cpu[k])) for k in runners}
 
 
-def interleaved_best_us(runners: dict[str, Callable[[], object]], repeats: int, warmup: int = 2) -> dict[str, float]:
-    """Best wall time of each runner, timed in interleaved rounds so that load drift hits all alike."""
-    return {k: b.wall_us for k, b in interleaved_best(runners, repeats, warmup).items()}
-
-
-def time_hlo_cpu_us(text: str, param_shapes, repeats: int = 15) -> float:
-    """Best wall time of one execution of HLO ``text`` on CPU (dispatch included)."""
-    return _best_us(hlo_cpu_runner(text, param_shapes), repeats)
-
-
 _TRIVIAL = """HloModule trivial
 ENTRY %main (p: f32[1]) -> f32[1] {
   %p = f32[1]{0} parameter(0)
   ROOT %n = f32[1]{0} negate(%p)
 }"""
-
-
-def dispatch_overhead_us(repeats: int = 50) -> float:
-    """Best time of a trivial module on the standalone path (subtracted from kernel timings)."""
-    from hlo_passes.shapes import Shape
-
-    return time_hlo_cpu_us(_TRIVIAL, [Shape.array("f32", (1,))], repeats)
 
 
 _METADATA = re.compile(r", metadata=\{[^{}]*\}")
