@@ -150,6 +150,8 @@ def _case_step(case):
 
 def _taskgraph_columns(rec: dict) -> dict:
     """The task-graph columns from the decompose pass's statistics."""
+    if not rec:
+        return {"decomposed": "", "verdicts": "no decompose statistics (the pipeline did not run)"}
     judged = rec.get("judged") or {}
     entry = next(iter(judged.values()), {})
     base = rec.get("baseline_us", entry.get("step_us"))
