@@ -248,3 +248,34 @@ def test_pass_declares_its_tolerance(case, declared):
     outcome = decompose_pass(module, Options(decompose=DecomposeOptions(force_degree=2)))
     assert outcome.changed, outcome.stats
     assert outcome.tolerance == declared == outcome.stats["tolerance"]
+
+
+def test_one_sided_contexts_rewrite_and_match():
+    """Context.trimmed: the pre-only / post-only variants of a two-sided context keep only
+    consistent members, and their rewrites run equal to the original (rtol 1e-4: the dot)."""
+    import numpy as np
+
+    from hlo_passes.decompose_rewrite import max_channel_id
+    from tests.test_decompose_rules import _inputs, _run
+
+    params, body, out, _ = CASES["all_reduce_matmul"]
+    text = _module(params, body, out)
+    module = hlo_passes.parse_module(text)
+    full = build_context(module.entry.instruction("ar"), 0, lambda i: 1.0)
+    assert {"dot", "ar", "g"} <= full.members()
+    pre = full.trimmed(True, False, lambda i: 1.0)
+    post = full.trimmed(False, True, lambda i: 1.0)
+    assert pre.members() == {"ar", "dot"} and not pre.post and pre.post_us == 0.0
+    assert post.members() == {"ar", "g"} and not post.pre and post.pre_us == 0.0
+    inputs = _inputs(module)
+    want = _run(text, inputs)
+    for side in (True, False):
+        m = hlo_passes.parse_module(text)
+        ctx = build_context(m.entry.instruction("ar"), 0, lambda i: 1.0).trimmed(
+            side, not side, lambda i: 1.0)
+        ids = iter(range(max_channel_id(m) + 1, max_channel_id(m) + 100))
+        split_instructions(m.entry, ctx.plans, 2, lambda ids=ids: next(ids))
+        hlo_passes.verify(m)
+        got = _run(hlo_passes.module_to_text(m), inputs)
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
