@@ -1,8 +1,8 @@
 """target.native: joining idle async pairs and permuting the instruction lines of XLA's text (no plugin needed)."""
 
-import hlo_passes
 import pytest
 
+import hlo_passes
 from concerto_jax.target.native import join_idle_pairs, permute_text
 
 _TEXT = """HloModule m, is_scheduled=true
