@@ -361,9 +361,13 @@ def _read(path: str) -> str | None:
         return None
 
 
-_MD = ("case", "variant", "loop_trips", "stock_us", "final_us", "final_gain", "planned_us", "bound_us",
-       "overlap_kept", "changed", "survived", "moved", "bodies_changed", "bodies_survived", "entry_peak_mb",
-       "entry_limit_mb", "body_peak_mb", "worst_peak_over_limit", "status")
+_MD = (("case", "case"), ("variant", "variant"), ("loop_trips", "loop trips"),
+       ("stock_us", "stock XLA (pipeliner+LHS)"), ("final_us", "**ours: XLA's final module**"),
+       ("final_gain", "gain (stock/final)"), ("planned_us", "ours: planned"), ("bound_us", "bound"),
+       ("overlap_kept", "overlap kept"), ("changed", "changed"), ("survived", "survived"), ("moved", "moved"),
+       ("bodies_changed", "bodies changed"), ("bodies_survived", "bodies survived"),
+       ("entry_peak_mb", "entry peak MB"), ("entry_limit_mb", "entry limit MB"), ("body_peak_mb", "body peak MB"),
+       ("worst_peak_over_limit", "worst peak/limit"), ("status", "status"))
 
 
 def write(rows: list[dict], out_dir: str, prefix: str, command: str, elapsed: float) -> None:
@@ -378,17 +382,18 @@ def write(rows: list[dict], out_dir: str, prefix: str, command: str, elapsed: fl
         f"Command: `{command}` ({elapsed:.0f} s wall). One `compile_for_target` per row (path `via` = "
         "backend_only: our order of every computation of XLA's after-LHS module, compiled backend-only). "
         "Simulated µs/step, one cost model and one simulator for every column, every computation simulated "
-        "in its module's own order (while = trips x body). Columns: `stock_us` = stock XLA's final module "
+        "in its module's own order (while = trips x body). Columns (csv names): `stock_us` = stock XLA's final module "
         "(collective pipeliner + LHS); **`final_us` = XLA's final module of OUR program: the column ours is "
         "judged on**; `final_gain` = stock / final; `planned_us` = the module we handed XLA in our order; "
         "`bound_us` = lower bound of the final module; `overlap_kept` = share of the planned overlapped "
         "transfer time the final module keeps (every computation, weighted by its runs per step); "
         "`changed`/`survived` = computations we reordered / of those, the ones whose order the final module "
-        "keeps (`bodies_*`: loop bodies among them); memory = the scheduler's peak of the entry vs its limit "
+        "keeps exactly (`bodies_*`: loop bodies among them), `moved` = instructions the final module places elsewhere "
+        "than planned; memory = the scheduler's peak of the entry vs its limit "
         "(MB), the largest loop body's peak (MB, its carried state included) and the worst peak/limit over all "
         "computations (limit = memory_limit_ratio x XLA's order's peak, per computation). Not measured on a GPU.\n",
-        "| " + " | ".join(_MD) + " |", "|" + "---|" * len(_MD)]
-    lines += ["| " + " | ".join(str(r.get(c, "")) for c in _MD) + " |" for r in rows]
+        "| " + " | ".join(label for _, label in _MD) + " |", "|" + "---|" * len(_MD)]
+    lines += ["| " + " | ".join(str(r.get(c, "")) for c, _ in _MD) + " |" for r in rows]
     with open(os.path.join(out_dir, f"{prefix}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
