@@ -72,7 +72,7 @@ CASES: tuple[tuple[str, str, str, tuple[int, ...], str], ...] = (
 VARIANTS = ("scan", "unrolled")
 
 COLUMNS = (
-    "case", "variant", "status", "via", "passes", "memory_ratio", "cluster", "mesh", "layers", "judged_on",
+    "case", "variant", "status", "via", "passes", "memory_ratio", "xla_pipeliner", "cluster", "mesh", "layers", "judged_on",
     "loops", "loop_trips", "collectives", "collectives_in_loops",
     "stock_us", "final_us", "final_gain", "planned_us", "final_vs_planned", "bound_us", "stock_bound_us",
     "final_gap_to_bound_pct", "overlap_kept", "planned_overlap_us", "computations", "changed", "survived", "moved",
@@ -278,26 +278,27 @@ def register_prefetch_all() -> None:
 
 def run_case(name: str, layout: str, cluster: str, mesh: tuple[int, ...], note: str, variant: str,
              layers: int, passes: tuple[str, ...] = ("schedule",), memory_ratio: float | None = 1.0,
-             dump_dir: str | None = None) -> dict:
+             dump_dir: str | None = None, pipeliner: bool = True) -> dict:
     """One case variant through ``compile_for_target``, its three modules judged; a row of ``COLUMNS``."""
     import concerto_jax
     from bench.baseline import model_case
     from concerto_jax.costmodel import CostModel, get_cluster
     from concerto_jax.scheduler import ScheduleOptions
 
+    xla_options = PIPELINER if pipeliner else tuple((k, False) for k, _ in PIPELINER)
     case = BenchCase(name=f"{name}_{variant}", model="gpt", layout=layout, cluster=cluster, mesh_shape=mesh,
-                     config="gpt_0_9b", dtype="bfloat16", xla_options=PIPELINER, note=note,
+                     config="gpt_0_9b", dtype="bfloat16", xla_options=xla_options, note=note,
                      overrides=(("num_layers", layers), ("scan_layers", variant == "scan"), ("remat", True)))
     row = dict.fromkeys(COLUMNS, "")
     row.update(case=name, variant=variant, cluster=cluster, mesh="x".join(map(str, mesh)), layers=layers,
-               note=note, passes="+".join(passes), memory_ratio=memory_ratio,
+               note=note, passes="+".join(passes), memory_ratio=memory_ratio, xla_pipeliner=pipeliner,
                judged_on="final = XLA's final module of our program (task graph, our cost model, simulated)")
     t0 = time.perf_counter()
     built, _, _ = model_case(case)
     cost_model = CostModel(get_cluster(cluster))
     with tempfile.TemporaryDirectory(prefix="scanned_") as tmp, recording_reschedules() as seen:
         dump = os.path.join(dump_dir, f"{name}_{variant}") if dump_dir else tmp
-        options = concerto_jax.Options(passes=passes, target=cluster, compiler_options=dict(PIPELINER),
+        options = concerto_jax.Options(passes=passes, target=cluster, compiler_options=dict(xla_options),
                                        scheduler=ScheduleOptions(memory_limit_ratio=memory_ratio), dump_dir=dump)
         res = concerto_jax.compile_for_target(built.step, built.abstract_state, built.abstract_batch,
                                               target=cluster, options=options)
@@ -362,7 +363,7 @@ def _read(path: str) -> str | None:
 
 
 _MD = (("case", "case"), ("variant", "variant"), ("loop_trips", "loop trips"),
-       ("stock_us", "stock XLA (pipeliner+LHS)"), ("final_us", "**ours: XLA's final module**"),
+       ("stock_us", "stock XLA"), ("final_us", "**ours: XLA's final module**"),
        ("final_gain", "gain (stock/final)"), ("planned_us", "ours: planned"), ("bound_us", "bound"),
        ("overlap_kept", "overlap kept"), ("changed", "changed"), ("survived", "survived"), ("moved", "moved"),
        ("bodies_changed", "bodies changed"), ("bodies_survived", "bodies survived"),
@@ -377,13 +378,15 @@ def write(rows: list[dict], out_dir: str, prefix: str, command: str, elapsed: fl
         w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
+    states = {"True" if r.get("xla_pipeliner") in (None, "") else str(r["xla_pipeliner"]) for r in rows}
+    pipeliner_state = "on" if states == {"True"} else "off" if states == {"False"} else "mixed (column xla_pipeliner)"
     lines = [
         "# Scanned vs unrolled (remat): stock XLA vs XLA's final module of our program\n",
         f"Command: `{command}` ({elapsed:.0f} s wall). One `compile_for_target` per row (path `via` = "
         "backend_only: our order of every computation of XLA's after-LHS module, compiled backend-only). "
         "Simulated µs/step, one cost model and one simulator for every column, every computation simulated "
         "in its module's own order (while = trips x body). Columns (csv names): `stock_us` = stock XLA's final module "
-        "(collective pipeliner + LHS); **`final_us` = XLA's final module of OUR program: the column ours is "
+        "(LHS; pipeliner: see the end of this legend); **`final_us` = XLA's final module of OUR program: the column ours is "
         "judged on**; `final_gain` = stock / final; `planned_us` = the module we handed XLA in our order; "
         "`bound_us` = lower bound of the final module; `overlap_kept` = share of the planned overlapped "
         "transfer time the final module keeps (every computation, weighted by its runs per step); "
@@ -391,7 +394,8 @@ def write(rows: list[dict], out_dir: str, prefix: str, command: str, elapsed: fl
         "keeps exactly (`bodies_*`: loop bodies among them), `moved` = instructions the final module places elsewhere "
         "than planned; memory = the scheduler's peak of the entry vs its limit "
         "(MB), the largest loop body's peak (MB, its carried state included) and the worst peak/limit over all "
-        "computations (limit = memory_limit_ratio x XLA's order's peak, per computation). Not measured on a GPU.\n",
+        "computations (limit = memory_limit_ratio x XLA's order's peak, per computation). Not measured on a GPU. "
+        f"XLA's collective pipeliner (`xla_gpu_enable_pipelined_*`, stock and ours): {pipeliner_state}.\n",
         "| " + " | ".join(label for _, label in _MD) + " |", "|" + "---|" * len(_MD)]
     lines += ["| " + " | ".join(str(r.get(c, "")) for c, _ in _MD) + " |" for r in rows]
     with open(os.path.join(out_dir, f"{prefix}.md"), "w") as f:
@@ -408,6 +412,8 @@ def main(argv=None) -> int:
     parser.add_argument("--memory-ratio", default="1.0", help="ScheduleOptions.memory_limit_ratio, or 'none'")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--prefix", default="scanned")
+    parser.add_argument("--no-xla-pipeliner", dest="pipeliner", action="store_false",
+                        help="turn XLA's collective pipeliner off (xla_gpu_enable_pipelined_*=false) for stock and ours")
     parser.add_argument("--dump-dir", help="keep each row's modules (captured, stock final, after-LHS, "
                         "emitted, final) under DUMP_DIR/<case>_<variant>/")
     args = parser.parse_args(argv)
@@ -426,7 +432,7 @@ def main(argv=None) -> int:
         for variant in args.variant or VARIANTS:
             try:
                 row = run_case(name, layout, cluster, mesh, note, variant, args.layers, passes, ratio,
-                               args.dump_dir)
+                               args.dump_dir, args.pipeliner)
                 surv = row.pop("_survival", None)
                 if surv is not None:
                     log.info("%s/%s survival: %s", name, variant, surv.detail)
