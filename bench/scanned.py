@@ -8,9 +8,10 @@ reduce-scatter and all-reduce: ``xla_gpu_enable_pipelined_*``) gives three modul
 
 * stock: XLA's final module of the original step (pipeliner + latency hiding
   scheduler), i.e. stock XLA at its best on loops;
-* planned: XLA's after-LHS module of our program with every computation (entry,
-  while bodies and conditions, nested) in OUR order (``target.native.reschedule_text``),
-  the module handed to XLA's backend;
+* planned: XLA's scheduled module of our program (the one its post-scheduling pipelines
+  receive, i.e. after LHS) with every computation (entry, while bodies and conditions,
+  nested) in OUR order (``target.native.reschedule_text``), the module handed to XLA's
+  backend;
 * final: XLA's final module of that program (PJRT C API, ``run_backend_only``): what
   the GPUs would run. This is the column the bench judges ours on.
 
@@ -22,8 +23,9 @@ condition``. Bound: per computation ``max(compute, busiest comm stream, critical
 path)`` with nested loops at their bounds (of the final module). Overlap kept: per
 collective ``min(final overlap, planned overlap)`` summed over every computation,
 each weighted by how often it runs, over the planned total. Order survival: per
-computation our scheduler changed, whether XLA's final module lists the common
-instructions in the planned order. Memory: the scheduler's peak vs its limit
+computation our scheduler changed (planned vs XLA's scheduled module, dumped as
+``xla_scheduled.hlo``), whether XLA's final module lists the common instructions in
+the planned order. Memory: the scheduler's peak vs its limit
 (``ScheduleOptions.memory_limit_ratio`` x XLA's order's peak, per computation).
 
 The figures are on task graphs, NOT measured on a GPU and NOT XLA's own cost
@@ -189,7 +191,7 @@ class Survival:
     """Did XLA's final module keep our order? (``order_survival``)
 
     Attributes:
-      changed: computations whose order we changed (planned != XLA's after-LHS order).
+      changed: computations whose order we changed (planned != XLA's scheduled order).
       survived: those among ``changed`` whose common instructions the final module lists in
         the planned order.
       moved: instructions the final module places elsewhere than planned, summed over ``changed``
@@ -206,7 +208,7 @@ class Survival:
 
 
 def order_survival(xla_text: str, planned_text: str, final_text: str) -> Survival:
-    """Compare each computation's instruction sequence: XLA's after-LHS, planned (ours), final."""
+    """Compare each computation's instruction sequence: XLA's scheduled module, planned (ours), final."""
     xla, plan, final = (computation_orders(t) for t in (xla_text, planned_text, final_text))
     changed, survived, detail = [], [], {}
     for comp, order in plan.items():
@@ -302,7 +304,8 @@ def run_case(name: str, layout: str, cluster: str, mesh: tuple[int, ...], note: 
                                        scheduler=ScheduleOptions(memory_limit_ratio=memory_ratio), dump_dir=dump)
         res = concerto_jax.compile_for_target(built.step, built.abstract_state, built.abstract_batch,
                                               target=cluster, options=options)
-        after_lhs = _read(os.path.join(dump, "xla_after_lhs.hlo"))
+        xla_sched = (_read(os.path.join(dump, "xla_scheduled.hlo"))
+                     or _read(os.path.join(dump, "xla_after_lhs.hlo")))  # the dump's older name
     row.update(via=res.via, fallback=res.fallback_reason or "", stock_compile_s=res.seconds.get("stock_compile", ""),
                compile_s=res.seconds.get("compile", ""),
                pass_stats="; ".join(f"{r.name}: {_short_stats(r)}" for r in res.passes if r.name != "schedule"))
@@ -318,8 +321,8 @@ def run_case(name: str, layout: str, cluster: str, mesh: tuple[int, ...], note: 
         kept, planned_ov = overlap_kept(planned, final)
         row.update(planned_us=round(planned.us, 1), final_vs_planned=round(final.us / planned.us, 4),
                    overlap_kept=round(kept, 4), planned_overlap_us=round(planned_ov, 1))
-        if after_lhs is not None:
-            surv = order_survival(after_lhs, res.emitted_text, res.final_text)
+        if xla_sched is not None:
+            surv = order_survival(xla_sched, res.emitted_text, res.final_text)
             loop_bodies = {lp["body"] for lp in planned.loops}
             row.update(changed=len(surv.changed), survived=len(surv.survived), moved=surv.moved,
                        bodies_changed=sum(c in loop_bodies for c in surv.changed),
@@ -383,7 +386,7 @@ def write(rows: list[dict], out_dir: str, prefix: str, command: str, elapsed: fl
     lines = [
         "# Scanned vs unrolled (remat): stock XLA vs XLA's final module of our program\n",
         f"Command: `{command}` ({elapsed:.0f} s wall). One `compile_for_target` per row (path `via` = "
-        "backend_only: our order of every computation of XLA's after-LHS module, compiled backend-only). "
+        "backend_only: our order of every computation of XLA's scheduled (after-LHS) module, compiled backend-only). "
         "Simulated µs/step, one cost model and one simulator for every column, every computation simulated "
         "in its module's own order (while = trips x body). Columns (csv names): `stock_us` = stock XLA's final module "
         "(LHS; pipeliner: see the end of this legend); **`final_us` = XLA's final module of OUR program: the column ours is "
@@ -414,7 +417,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prefix", default="scanned")
     parser.add_argument("--no-xla-pipeliner", dest="pipeliner", action="store_false",
                         help="turn XLA's collective pipeliner off (xla_gpu_enable_pipelined_*=false) for stock and ours")
-    parser.add_argument("--dump-dir", help="keep each row's modules (captured, stock final, after-LHS, "
+    parser.add_argument("--dump-dir", help="keep each row's modules (captured, stock final, XLA scheduled, "
                         "emitted, final) under DUMP_DIR/<case>_<variant>/")
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # deviceless GPU compile: JAX itself on CPU
