@@ -109,7 +109,12 @@ class Judged:
 
 def judge_module(text: str, cost_model) -> Judged:
     """Every computation of ``text`` simulated in its own order, combined bottom-up, and the bound."""
-    from concerto_jax.hlo_taskgraph import build_taskgraph, control_flow_durations, loops_of, with_durations
+    from concerto_jax.hlo_taskgraph import (
+        build_taskgraph,
+        control_flow_durations,
+        loops_of,
+        with_durations,
+    )
     from concerto_jax.simulator import SimOptions, lower_bounds, simulate
     from concerto_jax.target.fidelity import overlap_by_collective
     from hlo_passes.loops import analyze_while, control_flow_callees, schedulable_computations
