@@ -55,6 +55,7 @@ import tempfile
 import time
 
 from bench.suite import BenchCase
+from concerto_jax.target.fidelity import judge_module, overlap_kept
 
 log = logging.getLogger(__name__)
 
@@ -81,92 +82,6 @@ COLUMNS = (
     "bodies_changed", "bodies_survived", "entry_peak_mb", "entry_limit_mb", "body_peak_mb", "worst_peak_over_limit",
     "pass_stats", "fallback", "stock_compile_s", "compile_s", "wall_s", "note",
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Judged:
-    """Hierarchical figures of one module (µs of one step).
-
-    Attributes:
-      us: the entry's simulated time in the module's own order (nested computations in theirs).
-      bound_us: the entry's bound (nested computations at their bounds).
-      computations: schedulable computations.
-      loops: one dict per while body (body, trips, collectives, us).
-      collectives / collectives_in_loops: collective tasks in all computations / in loop bodies.
-      overlap: computation -> {collective: µs of its transfer during which a kernel runs}.
-      runs: computation -> how many times it runs per step (products of trip counts).
-    """
-
-    us: float
-    bound_us: float
-    computations: int
-    loops: list[dict]
-    collectives: int
-    collectives_in_loops: int
-    overlap: dict[str, dict[str, float]]
-    runs: dict[str, int]
-
-
-def judge_module(text: str, cost_model) -> Judged:
-    """Every computation of ``text`` simulated in its own order, combined bottom-up, and the bound."""
-    from concerto_jax.hlo_taskgraph import (
-        build_taskgraph,
-        control_flow_durations,
-        loops_of,
-        with_durations,
-    )
-    from concerto_jax.simulator import SimOptions, lower_bounds, simulate
-    from concerto_jax.target.fidelity import overlap_by_collective
-    from hlo_passes.loops import analyze_while, control_flow_callees, schedulable_computations
-    from hlo_passes.parser import parse_module
-
-    module = parse_module(text)
-    sim_opts = SimOptions(overlap_slowdown=cost_model.options.overlap_slowdown, check=False, memory=False)
-    times: dict[str, dict[str, float]] = {"own": {}, "bound": {}}
-    bodies = {info.body: info for info in loops_of(module).values()}
-    loops, overlap, n_coll, n_loop_coll = [], {}, 0, 0
-    comps = schedulable_computations(module)
-    for comp in comps:
-        nested = {k: control_flow_durations(comp, times[k]) for k in times}
-        hg = build_taskgraph(module, cost_model, computation=comp, nested_us=nested["own"])
-        sim = simulate(hg.graph, hg.events, sim_opts)
-        times["own"][comp.name] = sim.step_time_us
-        times["bound"][comp.name] = lower_bounds(with_durations(hg, nested["bound"])).bound_us
-        overlap[comp.name] = overlap_by_collective(hg.graph, sim)
-        c = sum(t.is_collective for t in hg.graph.tasks)
-        n_coll += c
-        if comp.name in bodies:
-            n_loop_coll += c
-            loops.append({"body": comp.name, "trips": bodies[comp.name].trip_count, "collectives": c,
-                          "us": round(sim.step_time_us, 1)})
-    runs = {comps[-1].name: 1}
-    for comp in reversed(comps):  # callers before callees
-        m = runs.get(comp.name, 0)
-        for inst in comp.instructions:
-            if inst.opcode == "while":
-                info = analyze_while(inst)
-                trips = info.trip_count or 1
-                runs[info.body] = runs.get(info.body, 0) + m * trips
-                runs[info.condition] = runs.get(info.condition, 0) + m * (trips + 1)
-            else:
-                for callee in control_flow_callees(inst):
-                    runs[callee.name] = runs.get(callee.name, 0) + m
-    entry = comps[-1].name
-    return Judged(times["own"][entry], times["bound"][entry], len(comps), loops, n_coll, n_loop_coll,
-                  overlap, runs)
-
-
-def overlap_kept(planned: Judged, final: Judged) -> tuple[float, float]:
-    """``(kept share, planned overlap µs per step)``: per collective min(final, planned) overlap,
-    every computation weighted by its runs per step (``planned``'s), matched by names."""
-    total = kept = 0.0
-    for comp, ov in planned.overlap.items():
-        runs = planned.runs.get(comp, 1)
-        fin = final.overlap.get(comp, {})
-        for name, us in ov.items():
-            total += runs * us
-            kept += runs * min(fin.get(name, 0.0), us)
-    return (kept / total if total > 0 else 1.0), total
 
 
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")

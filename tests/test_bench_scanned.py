@@ -2,8 +2,9 @@
 
 import pytest
 
-from bench.scanned import Judged, computation_orders, judge_module, order_survival, overlap_kept
+from bench.scanned import computation_orders, order_survival
 from concerto_jax.costmodel import CostModel, get_cluster
+from concerto_jax.target.fidelity import Judged, judge_module, overlap_kept
 
 _TEXT = """HloModule loops, num_partitions=1
 

@@ -74,40 +74,140 @@ def overlap_by_collective(graph, sim) -> dict[str, float]:
     return out
 
 
-def _sim(text: str, cost_model):
-    from concerto_jax.hlo_taskgraph import build_taskgraph
+@dataclasses.dataclass(frozen=True)
+class Judged:
+    """Hierarchical figures of one module (µs of one step).
+
+    Attributes:
+      us: the entry's simulated time in the module's own order (nested computations in theirs).
+      bound_us: the entry's bound (nested computations at their bounds).
+      computations: schedulable computations.
+      loops: one dict per while body (body, trips, collectives, us).
+      collectives / collectives_in_loops: collective tasks in all computations / in loop bodies.
+      overlap: computation -> {collective: µs of its transfer during which a kernel runs}.
+      runs: computation -> how many times it runs per step (products of trip counts).
+      nested_us: computation -> its simulated time in its own order (``us`` of each), for
+        rebuilding a caller's graph with its callees' durations.
+    """
+
+    us: float
+    bound_us: float
+    computations: int
+    loops: list[dict]
+    collectives: int
+    collectives_in_loops: int
+    overlap: dict[str, dict[str, float]]
+    runs: dict[str, int]
+    nested_us: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+def judge_module(text: str, cost_model) -> Judged:
+    """Every computation of ``text`` simulated in its own order, combined bottom-up, and the bound."""
+    from concerto_jax.hlo_taskgraph import (
+        build_taskgraph,
+        control_flow_durations,
+        loops_of,
+        with_durations,
+    )
+    from concerto_jax.simulator import SimOptions, lower_bounds, simulate
+    from hlo_passes.loops import analyze_while, control_flow_callees, schedulable_computations
+    from hlo_passes.parser import parse_module
+
+    module = parse_module(text)
+    sim_opts = SimOptions(overlap_slowdown=cost_model.options.overlap_slowdown, check=False, memory=False)
+    times: dict[str, dict[str, float]] = {"own": {}, "bound": {}}
+    bodies = {info.body: info for info in loops_of(module).values()}
+    loops, overlap, n_coll, n_loop_coll = [], {}, 0, 0
+    comps = schedulable_computations(module)
+    for comp in comps:
+        nested = {k: control_flow_durations(comp, times[k]) for k in times}
+        hg = build_taskgraph(module, cost_model, computation=comp, nested_us=nested["own"])
+        sim = simulate(hg.graph, hg.events, sim_opts)
+        times["own"][comp.name] = sim.step_time_us
+        times["bound"][comp.name] = lower_bounds(with_durations(hg, nested["bound"])).bound_us
+        overlap[comp.name] = overlap_by_collective(hg.graph, sim)
+        c = sum(t.is_collective for t in hg.graph.tasks)
+        n_coll += c
+        if comp.name in bodies:
+            n_loop_coll += c
+            loops.append({"body": comp.name, "trips": bodies[comp.name].trip_count, "collectives": c,
+                          "us": round(sim.step_time_us, 1)})
+    runs = {comps[-1].name: 1}
+    for comp in reversed(comps):  # callers before callees
+        m = runs.get(comp.name, 0)
+        for inst in comp.instructions:
+            if inst.opcode == "while":
+                info = analyze_while(inst)
+                trips = info.trip_count or 1
+                runs[info.body] = runs.get(info.body, 0) + m * trips
+                runs[info.condition] = runs.get(info.condition, 0) + m * (trips + 1)
+            else:
+                for callee in control_flow_callees(inst):
+                    runs[callee.name] = runs.get(callee.name, 0) + m
+    entry = comps[-1].name
+    return Judged(times["own"][entry], times["bound"][entry], len(comps), loops, n_coll, n_loop_coll,
+                  overlap, runs, dict(times["own"]))
+
+
+def overlap_kept(planned: Judged, final: Judged) -> tuple[float, float]:
+    """``(kept share, planned overlap µs per step)``: per collective min(final, planned) overlap,
+    every computation weighted by its runs per step (``planned``'s), matched by names."""
+    total = kept = 0.0
+    for comp, ov in planned.overlap.items():
+        runs = planned.runs.get(comp, 1)
+        fin = final.overlap.get(comp, {})
+        for name, us in ov.items():
+            total += runs * us
+            kept += runs * min(fin.get(name, 0.0), us)
+    return (kept / total if total > 0 else 1.0), total
+
+
+
+def _entry_sim(text: str, cost_model, judged: Judged):
+    """The entry's graph of ``text`` with its callees at ``judged``'s times, its simulation, its name."""
+    from concerto_jax.hlo_taskgraph import build_taskgraph, control_flow_durations
     from concerto_jax.simulator import SimOptions, simulate
     from hlo_passes.parser import parse_module
 
-    built = build_taskgraph(parse_module(text), cost_model)
+    module = parse_module(text)
+    built = build_taskgraph(module, cost_model,
+                            nested_us=control_flow_durations(module.entry, judged.nested_us))
     opts = SimOptions(overlap_slowdown=cost_model.options.overlap_slowdown, memory=False)
-    return built, opts, simulate(built.graph, built.events, opts)
+    return built, opts, simulate(built.graph, built.events, opts), module.entry.name
 
 
 def measure(final_text: str, stock_text: str, cost_model, planned_text: str | None = None) -> Fidelity:
     """Planned, final and stock step times and the overlap kept (see the module docstring).
+
+    Every computation is simulated (``judge_module``): a while loop costs trips x (body +
+    condition) with its body simulated in its own order, so collectives inside scanned
+    layers count in the step time and in the overlap (weighted by how often each
+    computation runs per step).
 
     Args:
       final_text: XLA's final module of our program.
       stock_text: XLA's final module of the original step.
       cost_model: the target's ``CostModel``.
       planned_text: the scheduled module we handed XLA (the backend-only path): the plan is
-        then that module in its own order, not the as-early/as-late windows of
-        ``planned_events`` on the final graph (the pin path).
+        then that module in its own order, every computation. Without it (the pin path) the
+        plan is the final module's entry with every collective's window as early/as late as
+        ``planned_events`` allows, nested computations as in the final module (pins cover
+        the entry only).
     """
     from concerto_jax.simulator import simulate
 
-    built, opts, final = _sim(final_text, cost_model)
-    if planned_text is None:
-        plan_graph = built.graph
-        plan = simulate(built.graph, planned_events(built.graph, built.events), opts)
+    final = judge_module(final_text, cost_model)
+    stock = judge_module(stock_text, cost_model)
+    if planned_text is not None:
+        planned = judge_module(planned_text, cost_model)
     else:
-        plan_built, _, plan = _sim(planned_text, cost_model)
-        plan_graph = plan_built.graph
-    _, _, stock = _sim(stock_text, cost_model)
-    p_ov = overlap_by_collective(plan_graph, plan)
-    f_ov = overlap_by_collective(built.graph, final)
-    planned = sum(p_ov.values())
-    kept = sum(min(f_ov.get(n, 0.0), v) for n, v in p_ov.items())
-    return Fidelity(round(plan.step_time_us, 1), round(final.step_time_us, 1), round(stock.step_time_us, 1),
-                    round(planned, 1), round(kept, 1), round(kept / planned, 4) if planned > 0 else 1.0)
+        built, opts, _, entry = _entry_sim(final_text, cost_model, final)
+        plan = simulate(built.graph, planned_events(built.graph, built.events), opts)
+        overlap = dict(final.overlap)
+        overlap[entry] = overlap_by_collective(built.graph, plan)
+        planned = dataclasses.replace(final, us=plan.step_time_us, overlap=overlap)
+    kept, planned_ov = overlap_kept(planned, final)
+    return Fidelity(round(planned.us, 1), round(final.us, 1), round(stock.us, 1),
+                    round(planned_ov, 1), round(kept * planned_ov, 1),
+                    round(kept, 4) if planned_ov > 0 else 1.0)
+
