@@ -4,7 +4,8 @@ For every suite case: one deviceless stock compile (``target.compile.compile_low
 the post-SPMD and scheduled-module dumps), then, with one cost model:
 
 * the post-SPMD task graph (``build_taskgraph``) with the cost model's unfused per-op costs
-  and with ``fused_costs`` (``durations_us``): total compute, the step simulated in program
+  and with ``fused_costs`` (``durations_us``): total compute (also with ``unmapped="zero"``:
+  ``fused_zero_compute_us``), the step simulated in program
   order and scheduled by the decompose pass's judge settings (the schedule pass's scheduler,
   whole-graph CP-SAT off, one odd-even round);
 * the total collective time of both graphs (XLA combines collectives: fewer, larger messages);
@@ -38,7 +39,7 @@ log = logging.getLogger(__name__)
 
 COLUMNS = (
     "case", "instructions", "coverage", "eliminated", "unmapped", "unmapped_us", "unattributed_us",
-    "unfused_compute_us", "fused_compute_us", "xla_compute_us", "comm_us", "xla_comm_us",
+    "unfused_compute_us", "fused_compute_us", "fused_zero_compute_us", "xla_compute_us", "comm_us", "xla_comm_us",
     "unfused_program_us", "fused_program_us", "xla_stock_us",
     "unfused_scheduled_us", "fused_scheduled_us", "xla_scheduled_us", "map_s", "case_wall_s",
 )
@@ -115,7 +116,9 @@ def run_case(case, from_dump: str | None = None, rule: str = "anchor", dump_dir:
     def comm(graph) -> float:
         return round(sum(t.duration_us for t in graph.tasks if t.is_collective), 1)
 
+    zero = build_taskgraph(pre, cm, durations_us=fused_costs(pre, xla, cm, rule=rule, unmapped="zero").us)
     row.update(unfused_compute_us=compute(unf.graph), fused_compute_us=compute(fus.graph),
+               fused_zero_compute_us=compute(zero.graph),
                xla_compute_us=compute(xg.graph), comm_us=comm(unf.graph), xla_comm_us=comm(xg.graph))
     for key, hg, prog_col in (("unfused", unf, "unfused_program_us"), ("fused", fus, "fused_program_us"),
                               ("xla", xg, "xla_stock_us")):

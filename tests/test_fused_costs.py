@@ -102,8 +102,13 @@ def test_rules_on_a_hand_written_pair(cm):
     # proportional rule: the GEMM kernel's time is split between dot and add, sum unchanged
     fp = fused_costs(PRE, XLA, cm, rule="proportional")
     assert fp.us["a"] > 0 and fp.us["d"] + fp.us["a"] == pytest.approx(gemm_us)
+    # unmapped="zero": the total is XLA's kernel time exactly (nothing unattributed here)
+    fz = fused_costs(pre, xla, cm, unmapped="zero")
+    assert fz.us["r"] == 0.0 and fz.unmapped == ("r",) and fz.total_us == pytest.approx(fz.kernel_us)
     with pytest.raises(ValueError, match="rule"):
         fused_costs(pre, xla, cm, rule="nope")
+    with pytest.raises(ValueError, match="unmapped"):
+        fused_costs(pre, xla, cm, unmapped="nope")
 
 
 def test_build_taskgraph_durations_override(cm):

@@ -20,8 +20,8 @@ Mapping (XLA renames instructions when it fuses them -- ``dot.4`` becomes
 3. *Tier 2*: instances left without a tier-1 partner (e.g. a ``dot`` that became
    a ``__cublas$gemm`` custom-call, a ``transpose`` that became a ``copy``) match
    the post-SPMD instructions left without one by ``op_name`` alone.
-4. Unmapped post-SPMD instructions keep the cost model's unfused estimate,
-   except layout-only ops (``ELIMINATED_OPCODES``: copy, reshape) with no
+4. Unmapped post-SPMD instructions keep the cost model's unfused estimate
+   (``unmapped="estimate"``, default) or cost 0 (``"zero"``), except layout-only ops (``ELIMINATED_OPCODES``: copy, reshape) with no
    counterpart at all: XLA turned them into bitcasts or removed them (the
    ``sharding_constraint`` copies of a JAX program), so they cost 0.
 
@@ -79,7 +79,7 @@ class FusedCosts:
         to ``build_taskgraph(..., durations_us=us)``.
       unfused_us: the same instructions' unfused cost-model estimates.
       kernels: instruction name -> names of the XLA kernels it maps to (mapped only).
-      unmapped: names keeping their unfused estimate.
+      unmapped: names mapped to no kernel (unfused estimate, or 0 with ``unmapped="zero"``).
       eliminated: names costed 0 as layout ops XLA removed.
       kernel_us: total time of XLA's kernels (``compute_us`` of each, summed).
       unattributed_us: time of kernels none of whose instances matched.
@@ -120,7 +120,7 @@ class FusedCosts:
                 "unmapped": len(self.unmapped), "coverage": round(self.coverage, 4),
                 "fused_total_us": round(self.total_us, 1), "unfused_total_us": round(sum(self.unfused_us.values()), 1),
                 "kernel_us": round(self.kernel_us, 1), "unattributed_us": round(self.unattributed_us, 1),
-                "unmapped_us": round(sum(self.us[n] for n in self.unmapped), 1), "rule": self.rule}
+                "unmapped_us": round(sum(self.unfused_us[n] for n in self.unmapped), 1), "rule": self.rule}
 
 
 def op_name(inst) -> str:
@@ -213,7 +213,7 @@ def _fold_unmatched(xla, kernel_names: list[str], kernel_cost: list[float],
 
 
 def fused_costs(post_spmd_module, xla_scheduled, cost_model: CostModel, *, rule: str = "anchor",
-                eliminated_opcodes: frozenset[str] = ELIMINATED_OPCODES) -> FusedCosts:
+                eliminated_opcodes: frozenset[str] = ELIMINATED_OPCODES, unmapped: str = "estimate") -> FusedCosts:
     """Costs of the post-SPMD module's compute instructions under XLA's fusion of the same program.
 
     Args:
@@ -223,12 +223,16 @@ def fused_costs(post_spmd_module, xla_scheduled, cost_model: CostModel, *, rule:
       cost_model: the cost model applied to XLA's kernels (and to the unmapped instructions).
       rule: ``"anchor"`` or ``"proportional"`` (module docstring).
       eliminated_opcodes: opcodes costed 0 when unmapped (XLA made them bitcasts).
+      unmapped: cost of the other unmapped instructions: ``"estimate"`` (the unfused
+        estimate; conservative placement) or ``"zero"`` (every XLA kernel's time is already
+        assigned to mapped instructions, so this makes the total equal XLA's kernel time
+        minus ``unattributed_us``; see WORKSPACE_NOTES, session 4 fusion-aware costs).
 
     Returns:
       A ``FusedCosts``.
 
     Raises:
-      ValueError: unknown ``rule``.
+      ValueError: unknown ``rule`` or ``unmapped``.
     """
     from concerto_jax.hlo_taskgraph import op_info
     from hlo_passes.loops import schedulable_computations
@@ -236,6 +240,9 @@ def fused_costs(post_spmd_module, xla_scheduled, cost_model: CostModel, *, rule:
 
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    if unmapped not in ("estimate", "zero"):
+        raise ValueError(f"unmapped must be 'estimate' or 'zero', got {unmapped!r}")
+    unmapped_mode = unmapped
     pre = parse_module(post_spmd_module) if isinstance(post_spmd_module, str) else post_spmd_module
     xla = parse_module(xla_scheduled) if isinstance(xla_scheduled, str) else xla_scheduled
     gpu, copts = cost_model.gpu, cost_model.options.compute
@@ -329,7 +336,7 @@ def fused_costs(post_spmd_module, xla_scheduled, cost_model: CostModel, *, rule:
         for i, w in zip(group, weights):
             us[i.name] = group_us.get(gkey, 0.0) * w / total
             kernels[i.name] = names
-    unmapped, eliminated = [], []
+    left, eliminated = [], []
     for i in members:
         if i.name in us:
             continue
@@ -337,9 +344,9 @@ def fused_costs(post_spmd_module, xla_scheduled, cost_model: CostModel, *, rule:
             us[i.name] = 0.0
             eliminated.append(i.name)
         else:
-            us[i.name] = unfused[i.name]
-            unmapped.append(i.name)
-    out = FusedCosts(us=us, unfused_us=unfused, kernels=kernels, unmapped=tuple(unmapped),
+            us[i.name] = unfused[i.name] if unmapped_mode == "estimate" else 0.0
+            left.append(i.name)
+    out = FusedCosts(us=us, unfused_us=unfused, kernels=kernels, unmapped=tuple(left),
                      eliminated=tuple(eliminated), kernel_us=sum(kernel_cost), unattributed_us=unattributed,
                      rule=rule)
     log.info("fused costs of %s: %s", pre.name, out.summary())
