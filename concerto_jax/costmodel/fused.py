@@ -315,7 +315,7 @@ def fused_costs(post_spmd_module, xla_scheduled, cost_model: CostModel, *, rule:
         total = sum(weights)
         if total <= 0:
             weights, total = [1.0] * len(js), float(len(js))
-        for j, w in zip(js, weights):
+        for j, w in zip(js, weights, strict=True):
             g = inst_group[j]
             group_us[g] = group_us.get(g, 0.0) + cost * w / total
         for j in per_kernel[k]:
@@ -333,7 +333,7 @@ def fused_costs(post_spmd_module, xla_scheduled, cost_model: CostModel, *, rule:
         if total <= 0:
             weights, total = [1.0] * len(group), float(len(group))
         names = tuple(sorted({kernel_names[k] for k in group_kernels.get(gkey, ())}))
-        for i, w in zip(group, weights):
+        for i, w in zip(group, weights, strict=True):
             us[i.name] = group_us.get(gkey, 0.0) * w / total
             kernels[i.name] = names
     left, eliminated = [], []
