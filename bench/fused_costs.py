@@ -17,7 +17,9 @@ or found removed by XLA), the time of kernels no instruction maps to, and the ti
 instructions that keep their unfused estimate. Command line::
 
     python -m bench.fused_costs [--case NAME ...] [--from-dump DIR | --dump-dir DIR]
-                                [--rule anchor|proportional]
+                                [--rule anchor|proportional] [--scanned]
+
+``--scanned``: per-computation totals (loop bodies, entry) of a scanned GPT instead.
 
 ``--from-dump DIR`` reads ``DIR/<case>/captured.hlo`` and ``DIR/<case>/xla_scheduled.hlo``
 (what ``bench.cli fidelity --dump-dir DIR`` and ``--dump-dir DIR`` here write) instead of
@@ -130,6 +132,46 @@ def run_case(case, from_dump: str | None = None, rule: str = "anchor", dump_dir:
     return row
 
 
+SCANNED_CASE = "gpt_tp8_scan"
+"""``--scanned``: GPT TP=8 on 8x H100, 4 layers under ``nn.scan`` with remat, compiled with
+``bench.scanned``'s collective-pipeliner options."""
+
+
+def scanned_case():
+    """The ``--scanned`` case as a ``BenchCase``."""
+    from bench.scanned import PIPELINER
+
+    return suite.BenchCase(name=SCANNED_CASE, model="gpt", layout="tp", cluster="h100_sxm_8", mesh_shape=(8,),
+                           config="gpt_0_9b", dtype="bfloat16", xla_options=PIPELINER,
+                           overrides=(("num_layers", 4), ("scan_layers", True), ("remat", True)))
+
+
+def per_computation(case, from_dump: str | None = None, dump_dir: str | None = None) -> list[dict]:
+    """Fused post-SPMD compute vs XLA's kernels per schedulable computation (one run of each;
+    computation names survive XLA's pipeline)."""
+    from concerto_jax.costmodel import CostModel, get_cluster
+    from concerto_jax.costmodel.fused import _is_compute, fused_costs
+    from concerto_jax.hlo_taskgraph import op_info
+    from hlo_passes.loops import schedulable_computations
+    from hlo_passes.parser import parse_module
+
+    pre_text, xla_text = _texts(case, from_dump, dump_dir)
+    pre, xla = parse_module(pre_text), parse_module(xla_text)
+    cm = CostModel(get_cluster(case.cluster))
+    fc = fused_costs(pre, xla, cm)
+    names = {c.name for c in xla.computations}
+    rows = []
+    for comp in schedulable_computations(pre):
+        fused = sum(fc.us.get(i.name, 0.0) for i in comp.instructions)
+        unfused = sum(fc.unfused_us.get(i.name, 0.0) for i in comp.instructions)
+        xla_us = (sum(cm.compute_us(op_info(i)) for i in xla.computation(comp.name).instructions if _is_compute(i))
+                  if comp.name in names else "")
+        rows.append({"case": case.name, "computation": comp.name, "unfused_us": round(unfused, 1),
+                     "fused_us": round(fused, 1), "xla_us": round(xla_us, 1) if xla_us != "" else "",
+                     "coverage": round(fc.coverage, 4)})
+    return rows
+
+
 def markdown(rows, command: str) -> str:
     """The table as Markdown."""
     lines = [f"`{command}`", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
@@ -145,8 +187,16 @@ def main(argv=None) -> int:
     ap.add_argument("--dump-dir", default=None, help="write each compiled case's two modules here")
     ap.add_argument("--rule", default="anchor", choices=("anchor", "proportional"))
     ap.add_argument("--out", default="bench/results/fused_costs")
+    ap.add_argument("--scanned", action="store_true",
+                    help=f"per-computation totals of {SCANNED_CASE} (loops) instead of the suite table")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.scanned:
+        rows = per_computation(scanned_case(), args.from_dump, args.dump_dir)
+        cols = list(rows[0])
+        print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+        print("\n".join("| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows))
+        return 0
     cases = suite.select_cases(args.case)
     rows = [run_case(c, args.from_dump, args.rule, args.dump_dir) for c in cases]
     command = "python -m bench.fused_costs " + " ".join(argv if argv is not None else sys.argv[1:])
