@@ -189,3 +189,45 @@ def test_tiny_mlp_coverage_and_totals(mlp_compile, cm):
     assert compute(fused) == pytest.approx(fc.total_us)
     assert abs(compute(fused) - compute(xg)) <= 0.05 * compute(xg), s
     assert compute(plain) > 1.5 * compute(xg), s
+
+
+# XLA's module with the dot as a cuBLAS custom-call (opcode changes: tier 2 matches it by
+# op_name) and the bias add in a loop fusion of its own.
+XLA_CUBLAS = """HloModule xla2, is_scheduled=true, entry_computation_layout={(f32[256,512]{1,0}, f32[512,1024]{1,0}, f32[256,1024]{1,0})->f32[256,1024]{1,0}}
+
+sum {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT s = f32[] add(a, b)
+}
+
+add_fusion {
+  r0 = f32[256,1024]{1,0} parameter(0)
+  r1 = f32[256,1024]{1,0} parameter(1)
+  ROOT add.4 = f32[256,1024]{1,0} add(r0, r1), metadata={op_name="mlp/add"}
+}
+
+loop_fusion {
+  q0 = f32[256,1024]{1,0} parameter(0)
+  ROOT tanh.3 = f32[256,1024]{1,0} tanh(q0), metadata={op_name="mlp/tanh"}
+}
+
+ENTRY main {
+  x = f32[256,512]{1,0} parameter(0)
+  w = f32[512,1024]{1,0} parameter(1)
+  bias = f32[256,1024]{1,0} parameter(2)
+  gemm.1 = f32[256,1024]{1,0} custom-call(x, w), custom_call_target="__cublas$gemm", metadata={op_name="mlp/dot_general"}, backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
+  fusion.3 = f32[256,1024]{1,0} fusion(gemm.1, bias), kind=kLoop, calls=add_fusion
+  ar = f32[256,1024]{1,0} all-reduce(fusion.3), replica_groups={{0,1}}, to_apply=sum
+  ROOT fusion.2 = f32[256,1024]{1,0} fusion(ar), kind=kLoop, calls=loop_fusion
+}
+"""
+
+
+def test_dot_matched_to_a_cublas_custom_call_by_op_name(cm):
+    xla = parse_module(XLA_CUBLAS)
+    x = {i.name: i for i in xla.entry.instructions}
+    fc = fused_costs(PRE, xla, cm)
+    assert fc.kernels["d"] == ("gemm.1",) and fc.us["d"] == pytest.approx(cm.compute_us(_info(x["gemm.1"])))
+    assert fc.kernels["a"] == ("fusion.3",) and fc.us["a"] == pytest.approx(cm.compute_us(_info(x["fusion.3"])))
+    assert fc.us["d"] > fc.us["a"] > 0 and fc.unattributed_us == 0.0
