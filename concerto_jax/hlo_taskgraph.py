@@ -202,7 +202,8 @@ def with_durations(hg: HloTaskGraph, durations: Mapping[str, float]) -> TaskGrap
 def build_taskgraph(module, cost_model: CostModel, *, fold_aliases: bool = True,
                     stream_of: Callable[[str], int] = default_stream, computation=None,
                     nested_us: Mapping[str, float] | None = None,
-                    loop: LoopInfo | None = None) -> HloTaskGraph:
+                    loop: LoopInfo | None = None,
+                    durations_us: Mapping[str, float] | None = None) -> HloTaskGraph:
     """Build the costed task graph of one computation of ``module`` and its order.
 
     Args:
@@ -216,6 +217,11 @@ def build_taskgraph(module, cost_model: CostModel, *, fold_aliases: bool = True,
       loop: the loop ``computation`` is the body or condition of (default: looked
         up with ``loops_of``). In a body graph, the carried tuple (the parameter)
         stays live until the root.
+      durations_us: instruction name -> duration overriding the cost model for any
+        compute instruction (e.g. ``costmodel.fused.fused_costs(...).us``: each
+        post-SPMD instruction's share of the XLA kernel it is fused into);
+        ``nested_us`` wins where both name an instruction. Collectives and folded
+        aliases are not affected.
 
     Returns:
       An ``HloTaskGraph``; ``events`` is the computation's order.
@@ -228,7 +234,7 @@ def build_taskgraph(module, cost_model: CostModel, *, fold_aliases: bool = True,
         entry = computation
     if loop is None and not entry.is_entry:
         loop = loops_of(module).get(entry.name)
-    nested = nested_us or {}
+    nested = {**(durations_us or {}), **(nested_us or {})}
     num_devices = module.num_devices
     tasks: list[Task] = []
     preds: list[set[int]] = []
