@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 import concerto_jax
 import concerto_jax.scheduler
 from concerto_jax.decompose import DecomposeOptions
+from tests._helpers import FULL_SWEEP
 
 D, F, H, T, B, L = 64, 64, 8, 16, 8, 2
 
@@ -120,7 +121,8 @@ def _setup(layout):
     return step, (params, opt_state), batches
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+# "tp" (an all-reduce on a 1-D mesh: also in dp_tp and tp_scanned) with CONCERTO_FULL_SWEEP=1.
+@pytest.mark.parametrize("layout", sorted(LAYOUTS) if FULL_SWEEP else sorted(set(LAYOUTS) - {"tp"}))
 def test_heldout_transformer_three_steps(layout):
     step, state, batches = _setup(layout)
     fast = concerto_jax.scheduler.ScheduleOptions(full_model_max_tasks=0, odd_even=None)

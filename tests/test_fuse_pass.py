@@ -108,9 +108,9 @@ def test_options_accept_exactly_the_registered_passes():
         concerto_jax.Options(passes="schedule")
 
 
-# Evoformer x DAP (all-to-alls; ~25-40 s on 2 cores) with CONCERTO_FULL_SWEEP=1; the DAP all-to-alls go
-# through the recompile by default in tests/test_optimize_models.py (evoformer-dp_dap).
-CASES = [("gpt", "dp_tp"), ("vit", "dp")] + ([("evoformer", "dap")] if FULL_SWEEP else [])
+# ViT x DP and Evoformer x DAP (all-to-alls; ~25-40 s on 2 cores) with CONCERTO_FULL_SWEEP=1; the DAP
+# all-to-alls go through the recompile by default in tests/test_optimize_models.py (evoformer-dp_dap).
+CASES = [("gpt", "dp_tp")] + ([("vit", "dp"), ("evoformer", "dap")] if FULL_SWEEP else [])
 
 
 @pytest.mark.parametrize(("model", "layout"), CASES, ids=[f"{m}-{lay}" for m, lay in CASES])
