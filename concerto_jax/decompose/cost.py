@@ -112,7 +112,7 @@ def _copy_info(inst, opcode: str):
 
 
 def strategy_cost(ctx, n: int, cost_model, exposed_before_us: float, t_c_us: float,
-                  calibration: Calibration, groups) -> StrategyCost:
+                  calibration: Calibration, groups, fused=None) -> StrategyCost:
     """Predicted exposed time of the collective when ``ctx`` is split ``n`` ways.
 
     Args:
@@ -123,6 +123,9 @@ def strategy_cost(ctx, n: int, cost_model, exposed_before_us: float, t_c_us: flo
       t_c_us: the collective's time.
       calibration: measured slowdown and per-chunk overhead.
       groups: the collective's replica groups (for the chunk's time).
+      fused: a ``costmodel.fused.FusedCosts`` of the module, or None. With it an op costs
+        its fused share and a chunk ``ratio(op)`` x its unfused estimate (the judge's
+        figures); slices and concatenations keep their unfused estimate.
     """
     coll = ctx.collective
     nbytes = sum(o.shape.byte_size for o in coll.operands)
@@ -135,6 +138,8 @@ def strategy_cost(ctx, n: int, cost_model, exposed_before_us: float, t_c_us: flo
             continue
         whole = cost_model.compute_us(op_info(inst))
         chunk = cost_model.compute_us(_chunk_info(inst, plan, n))
+        if fused is not None:
+            whole, chunk = fused.us.get(inst.name, whole), fused.ratio(inst.name) * chunk
         overhead += n * chunk - whole + calibration.chunk_overhead * (n - 1) * whole
         for op, d in zip(inst.operands, plan.operand_dims, strict=True):
             if d is not None and op not in ctx.plans:

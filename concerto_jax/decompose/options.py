@@ -58,9 +58,21 @@ class DecomposeOptions:
     # observed max relative 4e-5, tests/test_decompose_rules.py); other splits keep every
     # element's arithmetic and are declared bitwise (0).
     split_tolerance: float = 1e-4
+    # XLA's scheduled module of the unsplit step (text), or None. When set, the judge, the
+    # criticality and Eq. 1-3 cost each post-SPMD instruction by its share of the XLA kernel
+    # it is fused into (costmodel.fused.fused_costs) instead of one kernel per op;
+    # compile_for_target sets it from the stock compile (None on the user path: unfused
+    # costs). Left out of repr / comparisons (megabytes of text).
+    fused_reference: str | None = dataclasses.field(default=None, repr=False, compare=False)
+    # fused_costs' ``unmapped`` rule for instructions mapped to no XLA kernel: "zero" (their
+    # time is already in the kernels XLA folded them into: totals equal XLA's kernel time on
+    # all 8 bench cases) or "estimate" (their unfused estimate: 0.2-7.5 % more compute).
+    fused_unmapped: str = "zero"
 
     def __post_init__(self):
         if self.criticality not in ("schedule", "psi"):
             raise ValueError(f"criticality must be 'schedule' or 'psi', got {self.criticality!r}")
         if self.judge_rounds < 0:
             raise ValueError(f"judge_rounds must be >= 0, got {self.judge_rounds}")
+        if self.fused_unmapped not in ("zero", "estimate"):
+            raise ValueError(f"fused_unmapped must be 'zero' or 'estimate', got {self.fused_unmapped!r}")

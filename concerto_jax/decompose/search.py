@@ -13,6 +13,14 @@ Stages, per computation (the entry, and while bodies of scanned layers)::
 The paper decides the decomposition first and schedules after; the joint
 stage judges every strategy by the schedule it actually gets.
 
+Compute costs: one kernel per HLO op (the cost model's unfused estimate) unless
+the pass was given XLA's scheduled module of the same step
+(``DecomposeOptions.fused_reference``); then every stage costs an instruction
+by its share of the XLA kernel it is fused into (``costmodel.fused``), a chunk
+of a decomposed instruction ``o`` by ``ratio(o) x`` the chunk's unfused
+estimate, and the slices / concatenations a split adds by their unfused
+estimate (see ``trial_durations``).
+
 References: Concerto (ASPLOS'25) §5.
 """
 
@@ -24,6 +32,7 @@ import types
 
 import hlo_passes
 from concerto_jax import scheduler
+from concerto_jax.costmodel.fused import FusedCosts
 from concerto_jax.decompose import rules
 from concerto_jax.decompose.choose import Candidate
 from concerto_jax.decompose.context import build_context
@@ -101,7 +110,8 @@ class Found:
 
 def find_candidates(module, cost_model, calibration: Calibration,
                     options: DecomposeOptions,
-                    schedule_options: scheduler.ScheduleOptions | None = None) -> Found:
+                    schedule_options: scheduler.ScheduleOptions | None = None,
+                    fused: FusedCosts | None = None) -> Found:
     """Critical collectives, their contexts and the strategies predicted to gain.
 
     Args:
@@ -111,19 +121,26 @@ def find_candidates(module, cost_model, calibration: Calibration,
       options: the pass's options.
       schedule_options: the schedule pass's scheduler options (the judge derives its own
         from them, see ``judge_options``); None: the defaults.
+      fused: fusion-aware costs of ``module``'s instructions (``fused_costs``); None: the
+        cost model's unfused estimate, one kernel per op.
     """
     from concerto_jax.simulator import SimOptions, simulate
 
     cache: dict = {}
+    durations = fused.us if fused is not None else None
 
     def cost_of(inst) -> float:
+        if durations is not None and inst.name in durations:
+            return durations[inst.name]
         return cost_model.compute_us(op_info(inst, cache))
 
     found = Found([], {})
     judge = judge_options(options, schedule_options)
     for comp in computations_to_search(module, options):
-        hg = build_taskgraph(_view(module, comp), cost_model)
-        launch = cost_model.options.compute.launch_overhead_us if options.fused_slack else 0.0
+        hg = build_taskgraph(_view(module, comp), cost_model, durations_us=durations)
+        # Fused costs already hold each kernel's launch once (shared by its instructions).
+        launch = (cost_model.options.compute.launch_overhead_us
+                  if options.fused_slack and fused is None else 0.0)
         stalls = None
         if options.criticality == "schedule" and any(t.is_collective for t in hg.graph.tasks):
             events, sim = judge_schedule(hg.graph, hg.events, judge, calibration.overlap_slowdown)
@@ -168,7 +185,7 @@ def find_candidates(module, cost_model, calibration: Calibration,
                     while n <= min(options.max_degree, vctx.max_degree()):
                         if vctx.divisible_by(n):
                             sc = strategy_cost(vctx, n, cost_model, rec.exposed_us, rec.time_us,
-                                               calibration, groups)
+                                               calibration, groups, fused=fused)
                             found.candidates.append(Candidate(
                                 coll.name, axis, n, sc.gain_us, frozenset(vctx.members()),
                                 comp.name, variant))
@@ -177,9 +194,11 @@ def find_candidates(module, cost_model, calibration: Calibration,
     return found
 
 
-def apply(module, chosen: list[Candidate], contexts: dict) -> list[dict]:
+def apply(module, chosen: list[Candidate], contexts: dict,
+          chunks_of: dict[str, str] | None = None) -> list[dict]:
     """Rewrite ``module`` in place by the chosen strategies (contexts found on ``module``
-    or on a module with the same instruction names)."""
+    or on a module with the same instruction names); with ``chunks_of``, record there
+    each chunk's name -> the name of the instruction it is a chunk of."""
     next_id = [max_channel_id(module)]
 
     def fresh() -> int:
@@ -192,6 +211,9 @@ def apply(module, chosen: list[Candidate], contexts: dict) -> list[dict]:
         comp = module.computation(c.computation)
         plans = {comp.instruction(i.name): p for i, p in ctx.plans.items()}
         res = split_instructions(comp, plans, c.n, fresh)
+        if chunks_of is not None:
+            for orig, names in res.chunks.items():
+                chunks_of.update(dict.fromkeys(names, chunks_of.get(orig, orig)))
         done.append({"collective": c.collective, "computation": c.computation, "axis": c.axis,
                      "n": c.n, "sides": c.variant, "predicted_gain_us": round(c.gain_us, 2),
                      "members": len(ctx.plans), "slices": len(res.slices),
@@ -199,14 +221,32 @@ def apply(module, chosen: list[Candidate], contexts: dict) -> list[dict]:
     return done
 
 
+def trial_durations(module, fused: FusedCosts, chunks_of: dict[str, str], cost_model) -> dict[str, float]:
+    """Compute durations of a rewritten copy of the module ``fused`` was computed on.
+
+    Instructions still there keep their fused cost; a chunk of instruction ``o`` costs
+    ``fused.ratio(o)`` x its own unfused estimate (a chunk of a GEMM fused with its epilogue
+    stays a GEMM with a free epilogue); the slices and concatenations the rewrite adds are
+    left out (``build_taskgraph`` gives them their unfused estimate: conservative, XLA may
+    fuse them into a neighbour, only its final module tells).
+    """
+    out = dict(fused.us)
+    cache: dict = {}
+    for inst in module.instructions():
+        orig = chunks_of.get(inst.name)
+        if orig is not None and inst.collective_kind is None:
+            out[inst.name] = fused.ratio(orig) * cost_model.compute_us(op_info(inst, cache))
+    return out
+
+
 def simulated_step_us(module, cost_model, slowdown: float,
                       sched_options: scheduler.ScheduleOptions | None = None,
-                      with_limit: bool = False):
+                      with_limit: bool = False, durations_us: dict[str, float] | None = None):
     """Step time of ``module``'s entry computation scheduled by the judge
     (``judge_options``; None: the list heuristic under the default memory rule) and
     simulated with the measured overlap slowdown (with ``with_limit``: and the memory
-    limit in bytes the schedule was held to)."""
-    hg = build_taskgraph(module, cost_model)
+    limit in bytes the schedule was held to); ``durations_us`` as in ``build_taskgraph``."""
+    hg = build_taskgraph(module, cost_model, durations_us=durations_us)
     if sched_options is None:
         sched_options = scheduler.ScheduleOptions(full_model_max_tasks=0, odd_even=None,
                                                   progress=False)
@@ -221,12 +261,14 @@ def _copy(module):
 def joint_revise(module, found: Found, chosen: list[Candidate], cost_model,
                  calibration: Calibration, options: DecomposeOptions,
                  schedule_options: scheduler.ScheduleOptions | None = None,
-                 ) -> tuple[list[Candidate], dict]:
+                 fused: FusedCosts | None = None) -> tuple[list[Candidate], dict]:
     """Judge ``chosen`` by the simulated schedule of the rewritten module and revise it.
 
     Only the entry computation is simulated (while bodies are judged by the
     predicted gain alone). Each chosen collective in turn tries its other
     candidates and "none"; a change is kept when the simulated step is faster.
+
+    With ``fused``, every simulated module is costed by ``trial_durations``.
 
     Returns:
       The revised choice and the figures (baseline, first choice, final, and one verdict
@@ -239,12 +281,16 @@ def joint_revise(module, found: Found, chosen: list[Candidate], cost_model,
         evals[0] += 1
         trial = _copy(module)
         entry_choice = [c for c in choice if c.computation == module.entry.name]
-        apply(trial, entry_choice, found.contexts)
-        return simulated_step_us(trial, cost_model, calibration.overlap_slowdown, judge)
+        chunks_of: dict[str, str] = {}
+        apply(trial, entry_choice, found.contexts, chunks_of)
+        durations = None if fused is None else trial_durations(trial, fused, chunks_of, cost_model)
+        return simulated_step_us(trial, cost_model, calibration.overlap_slowdown, judge,
+                                 durations_us=durations)
 
     evals[0] += 1
     base, limit = simulated_step_us(_copy(module), cost_model, calibration.overlap_slowdown,
-                                    judge, with_limit=True)
+                                    judge, with_limit=True,
+                                    durations_us=None if fused is None else fused.us)
     # Every rewritten graph is held to the unsplit module's limit in bytes: the memory rule
     # is relative to the input order's peak, and a split that raises the program-order peak
     # would otherwise buy its schedule more memory (a "gain" that is not the split's).

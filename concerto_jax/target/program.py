@@ -10,7 +10,9 @@ Two ways to make XLA's GPU compiler run our order (``via``):
       |                     scheduled module of the original step (after LHS where LHS runs,
       |                     the memory scheduler's order elsewhere), its final module
       | rewriting passes    the passes of Options.passes other than "schedule"/"pin" (e.g.
-      |                     decompose, fuse_collectives) on the post-SPMD module; when one
+      |                     decompose, fuse_collectives) on the post-SPMD module (decompose
+      |                     judges with fusion-aware costs: XLA's scheduled module of the
+      |                     original step is its DecomposeOptions.fused_reference); when one
       |                     changed it, XLA's pipeline runs on OUR module up to its scheduler
       |                     (replicated compile with the same dump) and that scheduled module
       |                     is used instead
@@ -122,6 +124,16 @@ def _pipeline_options(options):
     if "schedule" in passes and "pin" not in passes:
         passes = passes + ("pin",)
     return dataclasses.replace(options, passes=passes)
+
+
+def _with_fused_reference(options, reference: str | None):
+    """``options`` whose decompose pass costs the post-SPMD module by XLA's fusion of the same
+    step (``DecomposeOptions.fused_reference`` = ``reference``, XLA's scheduled module of the
+    stock compile); unchanged when decompose does not run or there is no reference."""
+    if reference is None or "decompose" not in options.passes:
+        return options
+    return dataclasses.replace(options, decompose=dataclasses.replace(
+        options.decompose, fused_reference=reference))
 
 
 def _copy_to_reshape(text: str) -> str:
@@ -294,7 +306,8 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict) -> dict:
     compile_options = pjrt_c.spmd_compile_options(len(devices), env, device_ids=[d.id for d in devices])
     if rewriting:
         t0 = time.perf_counter()
-        pre = pipeline.run(stock.post_spmd_text, dataclasses.replace(options, passes=rewriting))
+        pre_opts = _with_fused_reference(dataclasses.replace(options, passes=rewriting), scheduled_src)
+        pre = pipeline.run(stock.post_spmd_text, pre_opts)
         seconds["pipeline"] = time.perf_counter() - t0
         records += pre.passes
         if any(r.changed for r in pre.passes):
@@ -347,7 +360,8 @@ def _pinned(stock, options, cluster, cost_model, seconds: dict) -> dict:
     from concerto_jax import pipeline
 
     t0 = time.perf_counter()
-    pipeline_result = pipeline.run(stock.post_spmd_text, _pipeline_options(options))
+    pipeline_result = pipeline.run(stock.post_spmd_text, _with_fused_reference(
+        _pipeline_options(options), stock.scheduled_text or stock.after_lhs_text))
     seconds["pipeline"] = time.perf_counter() - t0
     _dump(options.dump_dir, "emitted.hlo", pipeline_result.text)
     scheduled = _scheduled(pipeline_result.text)
