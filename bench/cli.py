@@ -54,6 +54,8 @@ def main(argv=None) -> int:
     d.add_argument("--taskgraph-only", action="store_true",
                    help="only the task-graph columns (one stock compile per case, no final module)")
     d.add_argument("--prefix", default=None, help="output file prefix")
+    d.add_argument("--split-copies", choices=("estimate", "zero"), default="estimate",
+                   help="DecomposeOptions.split_copies (cost of the slices/concats a split adds)")
     d.add_argument("-v", "--verbose", action="store_true")
     dc = sub.add_parser("decompose-calibrate",
                         help="measure the decomposition's chunk overhead and overlap slowdown (CPU)")
@@ -112,7 +114,8 @@ def main(argv=None) -> int:
 
         prefix = args.prefix or ("decompose_quick" if args.quick or args.case else "decompose")
         rows = decompose_bench.run(suite.select_cases(args.case, args.quick), args.out, prefix,
-                                   final_module=not args.taskgraph_only)
+                                   final_module=not args.taskgraph_only,
+                                   split_copies=args.split_copies)
         with open(os.path.join(args.out, f"{prefix}.md")) as f:
             sys.stdout.write(f.read())
         return 0 if all(not str(r["status"]).startswith("error") for r in rows) else 1

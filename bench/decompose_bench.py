@@ -183,15 +183,18 @@ def _taskgraph_columns(rec: dict) -> dict:
     return row
 
 
-def run_case(case, final_module: bool = True) -> dict:
+def run_case(case, final_module: bool = True, split_copies: str = "estimate") -> dict:
     """One suite case.
 
     Task-graph columns: the decompose pass's judge on the post-SPMD module (program
     order; the schedule pass's scheduler without / with the chosen splits). Final-module
     columns (``final_module``): stock, S and S+AD compiled by ``compile_for_target`` and
-    XLA's final module simulated (µs/step).
+    XLA's final module simulated (µs/step). ``split_copies``: ``DecomposeOptions.split_copies``.
     """
     import concerto_jax
+    from concerto_jax.decompose.options import DecomposeOptions
+
+    dopts = DecomposeOptions(split_copies=split_copies)
 
     c, cluster = _case_step(case)
     xla = dict(case.xla_options)
@@ -204,7 +207,7 @@ def run_case(case, final_module: bool = True) -> dict:
         lowered = c.step.trace(c.abstract_state, c.abstract_batch).lower()
         stock = compile_lowered(lowered, cluster, CompileOptions(dump_lhs=False, dump_spmd=True,
                                                                  extra=tuple(xla.items())))
-        opts = concerto_jax.Options(passes=("decompose", "schedule"), target=case.cluster)
+        opts = concerto_jax.Options(passes=("decompose", "schedule"), target=case.cluster, decompose=dopts)
         rec = decompose_pass(parse_module(stock.post_spmd_text), opts).stats
         row.update(_taskgraph_columns(rec))
         row.update(dict.fromkeys(("stock_us", "s_us", "sad_us", "s_gain", "sad_gain"), "not run"))
@@ -213,7 +216,8 @@ def run_case(case, final_module: bool = True) -> dict:
         return row
     results = {}
     for label, passes in (("s", ("schedule",)), ("sad", ("decompose", "schedule"))):
-        opts = concerto_jax.Options(passes=passes, target=case.cluster, compiler_options=xla)
+        opts = concerto_jax.Options(passes=passes, target=case.cluster, compiler_options=xla,
+                                    decompose=dopts)
         results[label] = concerto_jax.compile_for_target(c.step, c.abstract_state, c.abstract_batch,
                                                          target=case.cluster, options=opts)
     stock = results["s"].stock_step_us
@@ -231,14 +235,14 @@ def run_case(case, final_module: bool = True) -> dict:
 
 
 def run(cases, out_dir: str = "bench/results", prefix: str = "decompose",
-        final_module: bool = True) -> list[dict]:
+        final_module: bool = True, split_copies: str = "estimate") -> list[dict]:
     """All cases, one row each (a failing case becomes an error row); writes CSV + markdown."""
     rows = []
     t0 = time.perf_counter()
     for case in cases:
         t = time.perf_counter()
         try:
-            row = run_case(case, final_module)
+            row = run_case(case, final_module, split_copies)
         except Exception as e:  # noqa: BLE001 - reported in the row
             log.exception("%s failed", case.name)
             row = dict.fromkeys(COLUMNS, "")
@@ -264,7 +268,8 @@ def run(cases, out_dir: str = "bench/results", prefix: str = "decompose",
              "(odd-even, 1 round, memory rule) without (tg_s) and with (tg_sad) the chosen "
              "splits. stock/s/sad: XLA's final module after compile_for_target"
              + ("" if final_module else " (not run: --taskgraph-only)") + ".\n",
-             f"Command: `python -m bench.cli decompose{'' if final_module else ' --taskgraph-only'}`; "
+             f"Command: `python -m bench.cli decompose{'' if final_module else ' --taskgraph-only'}"
+             f"{'' if split_copies == 'estimate' else ' --split-copies ' + split_copies}`; "
              f"{time.perf_counter() - t0:.0f} s.\n",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]

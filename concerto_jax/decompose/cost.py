@@ -112,7 +112,8 @@ def _copy_info(inst, opcode: str):
 
 
 def strategy_cost(ctx, n: int, cost_model, exposed_before_us: float, t_c_us: float,
-                  calibration: Calibration, groups, fused=None) -> StrategyCost:
+                  calibration: Calibration, groups, fused=None,
+                  copies: float = 1.0) -> StrategyCost:
     """Predicted exposed time of the collective when ``ctx`` is split ``n`` ways.
 
     Args:
@@ -126,6 +127,7 @@ def strategy_cost(ctx, n: int, cost_model, exposed_before_us: float, t_c_us: flo
       fused: a ``costmodel.fused.FusedCosts`` of the module, or None. With it an op costs
         its fused share and a chunk ``ratio(op)`` x its unfused estimate (the judge's
         figures); slices and concatenations keep their unfused estimate.
+      copies: factor on the slices' and concatenations' estimate (0: XLA fuses them).
     """
     coll = ctx.collective
     nbytes = sum(o.shape.byte_size for o in coll.operands)
@@ -143,11 +145,11 @@ def strategy_cost(ctx, n: int, cost_model, exposed_before_us: float, t_c_us: flo
         overhead += n * chunk - whole + calibration.chunk_overhead * (n - 1) * whole
         for op, d in zip(inst.operands, plan.operand_dims, strict=True):
             if d is not None and op not in ctx.plans:
-                overhead += cost_model.compute_us(_copy_info(op, "slice"))
+                overhead += copies * cost_model.compute_us(_copy_info(op, "slice"))
         if any(u not in ctx.plans for u in inst.users) and not plan.replicable:
-            overhead += cost_model.compute_us(_copy_info(inst, "concatenate"))
+            overhead += copies * cost_model.compute_us(_copy_info(inst, "concatenate"))
     if any(u not in ctx.plans for u in coll.users):
-        overhead += cost_model.compute_us(_copy_info(coll, "concatenate"))
+        overhead += copies * cost_model.compute_us(_copy_info(coll, "concatenate"))
     a = calibration.overlap_slowdown
     frac = (n - 1) / (a * n)
     cost1 = n * t_chunk - frac * (ctx.pre_us + ctx.post_us)

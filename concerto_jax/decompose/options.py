@@ -68,11 +68,17 @@ class DecomposeOptions:
     # time is already in the kernels XLA folded them into: totals equal XLA's kernel time on
     # all 8 bench cases) or "estimate" (their unfused estimate: 0.2-7.5 % more compute).
     fused_unmapped: str = "zero"
+    # With fused costs: the slices / concatenations a split adds cost their unfused estimate
+    # ("estimate": a memory pass each) or nothing ("zero": XLA fuses them into the
+    # neighbouring kernels). Measured in WORKSPACE_NOTES (Issue #11, fused costs).
+    split_copies: str = "estimate"
 
     def __post_init__(self):
         if self.criticality not in ("schedule", "psi"):
             raise ValueError(f"criticality must be 'schedule' or 'psi', got {self.criticality!r}")
         if self.judge_rounds < 0:
             raise ValueError(f"judge_rounds must be >= 0, got {self.judge_rounds}")
+        if self.split_copies not in ("zero", "estimate"):
+            raise ValueError(f"split_copies must be 'zero' or 'estimate', got {self.split_copies!r}")
         if self.fused_unmapped not in ("zero", "estimate"):
             raise ValueError(f"fused_unmapped must be 'zero' or 'estimate', got {self.fused_unmapped!r}")

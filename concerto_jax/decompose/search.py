@@ -128,6 +128,7 @@ def find_candidates(module, cost_model, calibration: Calibration,
 
     cache: dict = {}
     durations = fused.us if fused is not None else None
+    copies = 0.0 if fused is not None and options.split_copies == "zero" else 1.0
 
     def cost_of(inst) -> float:
         if durations is not None and inst.name in durations:
@@ -185,7 +186,8 @@ def find_candidates(module, cost_model, calibration: Calibration,
                     while n <= min(options.max_degree, vctx.max_degree()):
                         if vctx.divisible_by(n):
                             sc = strategy_cost(vctx, n, cost_model, rec.exposed_us, rec.time_us,
-                                               calibration, groups, fused=fused)
+                                               calibration, groups, fused=fused,
+                                               copies=copies)
                             found.candidates.append(Candidate(
                                 coll.name, axis, n, sc.gain_us, frozenset(vctx.members()),
                                 comp.name, variant))
@@ -221,14 +223,16 @@ def apply(module, chosen: list[Candidate], contexts: dict,
     return done
 
 
-def trial_durations(module, fused: FusedCosts, chunks_of: dict[str, str], cost_model) -> dict[str, float]:
+def trial_durations(module, fused: FusedCosts, chunks_of: dict[str, str], cost_model,
+                    split_copies: str = "estimate") -> dict[str, float]:
     """Compute durations of a rewritten copy of the module ``fused`` was computed on.
 
     Instructions still there keep their fused cost; a chunk of instruction ``o`` costs
     ``fused.ratio(o)`` x its own unfused estimate (a chunk of a GEMM fused with its epilogue
     stays a GEMM with a free epilogue); the slices and concatenations the rewrite adds are
     left out (``build_taskgraph`` gives them their unfused estimate: conservative, XLA may
-    fuse them into a neighbour, only its final module tells).
+    fuse them into a neighbour, only its final module tells), or cost 0 with
+    ``split_copies="zero"``.
     """
     out = dict(fused.us)
     cache: dict = {}
@@ -236,6 +240,9 @@ def trial_durations(module, fused: FusedCosts, chunks_of: dict[str, str], cost_m
         orig = chunks_of.get(inst.name)
         if orig is not None and inst.collective_kind is None:
             out[inst.name] = fused.ratio(orig) * cost_model.compute_us(op_info(inst, cache))
+        elif (split_copies == "zero" and inst.name not in out
+              and inst.opcode in ("slice", "concatenate")):
+            out[inst.name] = 0.0
     return out
 
 
@@ -283,7 +290,8 @@ def joint_revise(module, found: Found, chosen: list[Candidate], cost_model,
         entry_choice = [c for c in choice if c.computation == module.entry.name]
         chunks_of: dict[str, str] = {}
         apply(trial, entry_choice, found.contexts, chunks_of)
-        durations = None if fused is None else trial_durations(trial, fused, chunks_of, cost_model)
+        durations = None if fused is None else trial_durations(trial, fused, chunks_of, cost_model,
+                                                               options.split_copies)
         return simulated_step_us(trial, cost_model, calibration.overlap_slowdown, judge,
                                  durations_us=durations)
 
