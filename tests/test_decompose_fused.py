@@ -104,4 +104,17 @@ def test_trial_durations_cost_chunks_by_their_original_ratio():
     # the collective's chunks are not compute; slices / concatenations keep the cost model's
     added = {i.name for i in trial.entry.instructions if i.opcode in ("slice", "concatenate")}
     assert added and not added & set(dur)
+    # split_copies="zero": XLA fuses them, they cost nothing
+    zero = trial_durations(trial, fc, chunks_of, cm, "zero")
+    assert all(zero[n] == 0.0 for n in added)
     assert all(n not in dur for n, o in chunks_of.items() if o == "ar")
+
+
+def test_compile_for_target_hands_the_stock_module_to_decompose_only():
+    from concerto_jax.target.program import _with_fused_reference
+
+    with_dec = concerto_jax.Options(passes=("decompose", "schedule"))
+    assert _with_fused_reference(with_dec, "HloModule x").decompose.fused_reference == "HloModule x"
+    assert _with_fused_reference(with_dec, None).decompose.fused_reference is None
+    without = concerto_jax.Options(passes=("schedule",))
+    assert _with_fused_reference(without, "HloModule x") is without
