@@ -122,7 +122,7 @@ def test_backend_only_runs_rewriting_passes_before_xla(monkeypatch):
     monkeypatch.setitem(pipeline.PASS_TABLE, "touch_for_test", __name__)
     step, args = _mlp()
     res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=concerto_jax.Options(
-        passes=("touch_for_test", "schedule"), fallback=False))
+        passes=("touch_for_test", "schedule"), fallback=False), guard_rewrites=False)
     assert seen and res.via == "backend_only"
     assert [p.name for p in res.passes] == ["touch_for_test", "schedule"]
     assert "xla_passes_compile" in res.seconds
@@ -171,3 +171,28 @@ def test_step_times_count_collectives_inside_loops():
                                                            memory=False)).step_time_us
     assert res.stock_step_us > flat_us
     assert res.final_step_us <= res.stock_step_us * 1.001
+
+
+@needs_plugin
+def test_rewrite_guard_keeps_the_faster_of_rewritten_and_plain_plans():
+    # decompose forced to split every collective it can (force_degree): the guard compares the
+    # plan on XLA's scheduled module of the split program with the plan without the split and
+    # compiles the faster one; the decision, the figures and the handed module must agree.
+    from concerto_jax.decompose.options import DecomposeOptions
+
+    step, args = _mlp()
+    opts = concerto_jax.Options(passes=("decompose", "schedule"), fallback=False,
+                                decompose=DecomposeOptions(force_degree=2))
+    res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=opts)
+    assert res.fallback_reason is None and res.via == "backend_only"
+    dec = next(p for p in res.passes if p.name == "decompose")
+    guard = dec.stats["final_module_guard"]
+    rewritten, plain = guard["rewritten_planned_us"], guard["without_rewrite_planned_us"]
+    assert guard["kept"] == (rewritten < plain) and dec.changed == guard["kept"]
+    assert res.planned_step_us == pytest.approx(min(rewritten, plain), abs=0.11)
+    # The handed module is the split program (replicated compile) exactly when it was kept.
+    assert ("replica_count=8" in res.emitted_text.split("\n", 1)[0]) == guard["kept"]
+    unguarded = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=opts,
+                                                guard_rewrites=False)
+    assert "final_module_guard" not in next(p for p in unguarded.passes if p.name == "decompose").stats
+    assert unguarded.planned_step_us == pytest.approx(rewritten, abs=0.11)

@@ -37,6 +37,7 @@ Any failure of either path falls back to the stock program with one
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import tempfile
@@ -204,7 +205,8 @@ def _devices_of(compiled) -> tuple:
 
 
 def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options=None,
-                       via: str = "backend_only", **abstract_kwargs) -> TargetResult:
+                       via: str = "backend_only", guard_rewrites: bool = True,
+                       **abstract_kwargs) -> TargetResult:
     """Optimise ``step`` with ``options`` and compile it for ``target`` without a GPU.
 
     Args:
@@ -219,6 +221,10 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
         the post-SPMD module first. ``"pin"``: every pass on the post-SPMD module, ``pin``
         added after ``schedule``, XLA's full pipeline on the pinned module. See the module
         docstring.
+      guard_rewrites: backend-only path: keep a program rewritten by the passes that run
+        before XLA (decompose, fuse_collectives, pipeline_loops) only if its plan on XLA's
+        scheduled module beats the plan without the rewrite (one more reschedule, no extra
+        compile); the dropped rewrite's pass records say so (``final_module_guard``).
       **abstract_kwargs: keyword arguments of the step, abstract like the positional ones.
 
     Returns:
@@ -258,7 +264,7 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
     stock_text = stock.final_text
     _dump(options.dump_dir, "captured.hlo", stock.post_spmd_text)
     _dump(options.dump_dir, "stock_final.hlo", stock_text)
-    run = _backend_only if via == "backend_only" else _pinned
+    run = functools.partial(_backend_only, guard_rewrites=guard_rewrites) if via == "backend_only" else _pinned
     try:
         out = run(stock, options, cluster, cost_model, seconds)
     except Exception as e:  # noqa: BLE001 - never stuck: report the stock program
@@ -289,12 +295,20 @@ PLAN_PASSES = frozenset({"schedule", "pin"})
 scheduled module and "pin" is not used; every other pass rewrites the post-SPMD module first."""
 
 
-def _backend_only(stock, options, cluster, cost_model, seconds: dict) -> dict:
-    """The backend-only path (module docstring); raises on any failure (the caller falls back)."""
+def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewrites: bool = True) -> dict:
+    """The backend-only path (module docstring); raises on any failure (the caller falls back).
+
+    With ``guard_rewrites``, a program rewritten by the passes before XLA (decompose,
+    fuse_collectives, ...) is kept only if its plan on XLA's scheduled module of it is faster
+    than the plan on XLA's scheduled module of the original step (both judged by
+    ``fidelity.judge_module``, the figure ``planned_step_us`` reports; the backend keeps the
+    plan, so this is also the final module's figure). Otherwise the rewrite is dropped: the
+    rewriting passes' records get ``changed=False`` and a ``final_module_guard`` entry.
+    """
     from concerto_jax import pipeline
     from concerto_jax.executor import replicated_compile_options
-    from concerto_jax.report import PassRecord
-    from concerto_jax.target import native, pjrt_c
+    from concerto_jax.target import pjrt_c
+    from concerto_jax.target.fidelity import judge_module
 
     devices = _devices_of(stock.compiled)
     env = dict(options.compiler_options)
@@ -302,8 +316,10 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict) -> dict:
     rewriting = tuple(p for p in options.passes if p not in PLAN_PASSES)
     # The module XLA's post-scheduling pipelines receive (= after LHS where LHS runs; the
     # memory scheduler's order where it does not, e.g. the A100 targets).
-    scheduled_src = stock.scheduled_text or stock.after_lhs_text
-    compile_options = pjrt_c.spmd_compile_options(len(devices), env, device_ids=[d.id for d in devices])
+    stock_src = scheduled_src = stock.scheduled_text or stock.after_lhs_text
+    stock_compile_options = compile_options = pjrt_c.spmd_compile_options(
+        len(devices), env, device_ids=[d.id for d in devices])
+    rewritten = False
     if rewriting:
         t0 = time.perf_counter()
         pre_opts = _with_fused_reference(dataclasses.replace(options, passes=rewriting), scheduled_src)
@@ -318,41 +334,76 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict) -> dict:
             if env:
                 opts.env_option_overrides = list(env.items())
             compile_options = opts.SerializeAsString()
+            rewritten = True
     if scheduled_src is None:
         raise RuntimeError("XLA wrote no scheduled module (no dump before its post-scheduling "
                            "pipelines nor after its latency hiding scheduler; XLA_FLAGS overriding "
                            "--xla_dump_to?)")
-    _dump(options.dump_dir, "xla_scheduled.hlo", scheduled_src)
-    handed, memory = scheduled_src, {}
-    if "schedule" in options.passes:
+    plan = _plan_on(scheduled_src, options, cost_model, seconds)
+    if rewritten and guard_rewrites and stock_src is not None:
         t0 = time.perf_counter()
-        r = native.reschedule_text(scheduled_src, cost_model, options)
-        dt = time.perf_counter() - t0
-        seconds["schedule"] = dt
-        entry = r.computations[-1]
-        stats = {"target": options.target, "computations": len(r.computations), "changed": list(r.changed),
-                 "tasks": sum(c.tasks for c in r.computations),
-                 "collectives": sum(c.collectives for c in r.computations),
-                 "program_order_us": round(r.input_us, 1), "scheduled_us": round(r.scheduled_us, 1),
-                 "gain": round(r.input_us / r.scheduled_us, 4) if r.scheduled_us > 0 else 1.0,
-                 "source": entry.source, "input_peak_bytes": entry.input_peak_bytes,
-                 "peak_bytes": entry.peak_bytes, "memory_limit_bytes": entry.memory_limit_bytes,
-                 "on": "xla_scheduled"}
-        records.append(PassRecord("schedule", bool(r.changed), dt, stats))
-        handed = r.text
-        memory = dict(input_peak_bytes=entry.input_peak_bytes, peak_bytes=entry.peak_bytes,
-                      memory_limit_bytes=entry.memory_limit_bytes)
-        if (entry.memory_limit_bytes is not None and entry.peak_bytes is not None
-                and entry.peak_bytes > entry.memory_limit_bytes):
-            raise RuntimeError(f"our order's peak {entry.peak_bytes} B exceeds the memory limit "
-                               f"{entry.memory_limit_bytes} B")
+        plain = _plan_on(stock_src, options, cost_model, {})
+        rewritten_us = judge_module(plan["handed"], cost_model).us
+        plain_us = judge_module(plain["handed"], cost_model).us
+        keep = rewritten_us < plain_us
+        guard = {"rewritten_planned_us": round(rewritten_us, 1), "without_rewrite_planned_us": round(plain_us, 1),
+                 "kept": keep}
+        seconds["rewrite_guard"] = time.perf_counter() - t0
+        records = [dataclasses.replace(r, stats={**r.stats, "final_module_guard": guard},
+                                       changed=r.changed and keep) if r.name in rewriting else r
+                   for r in records]
+        if not keep:
+            log.info("compile_for_target: the rewrite (%s) plans %.1f us on XLA's scheduled module vs "
+                     "%.1f us without it: dropped", ",".join(rewriting), rewritten_us, plain_us)
+            plan, scheduled_src, compile_options = plain, stock_src, stock_compile_options
+    _dump(options.dump_dir, "xla_scheduled.hlo", scheduled_src)
+    if plan["record"] is not None:
+        records.append(plan["record"])
+    handed = plan["handed"]
     _dump(options.dump_dir, "emitted.hlo", handed)
     t0 = time.perf_counter()
     final = pjrt_c.compile_hlo(handed, cluster, compile_options, backend_only=True)
     seconds["compile"] = time.perf_counter() - t0
     _dump(options.dump_dir, "final.hlo", final)
     return dict(final=final, planned=handed, emitted=handed, scheduled=handed, passes=records, pins=0,
-                via="backend_only", **memory)
+                via="backend_only", **plan["memory"])
+
+
+def _plan_on(scheduled_src: str, options, cost_model, seconds: dict) -> dict:
+    """Our order of XLA's scheduled module ``scheduled_src`` when "schedule" runs (else as is).
+
+    Returns:
+      ``{"handed": module text for the backend, "record": the schedule PassRecord or None,
+      "memory": input_peak_bytes / peak_bytes / memory_limit_bytes (empty without schedule)}``.
+
+    Raises:
+      RuntimeError: our order's peak exceeds the memory limit.
+    """
+    from concerto_jax.report import PassRecord
+    from concerto_jax.target import native
+
+    if "schedule" not in options.passes:
+        return {"handed": scheduled_src, "record": None, "memory": {}}
+    t0 = time.perf_counter()
+    r = native.reschedule_text(scheduled_src, cost_model, options)
+    dt = time.perf_counter() - t0
+    seconds["schedule"] = seconds.get("schedule", 0.0) + dt
+    entry = r.computations[-1]
+    stats = {"target": options.target, "computations": len(r.computations), "changed": list(r.changed),
+             "tasks": sum(c.tasks for c in r.computations),
+             "collectives": sum(c.collectives for c in r.computations),
+             "program_order_us": round(r.input_us, 1), "scheduled_us": round(r.scheduled_us, 1),
+             "gain": round(r.input_us / r.scheduled_us, 4) if r.scheduled_us > 0 else 1.0,
+             "source": entry.source, "input_peak_bytes": entry.input_peak_bytes,
+             "peak_bytes": entry.peak_bytes, "memory_limit_bytes": entry.memory_limit_bytes,
+             "on": "xla_scheduled"}
+    if (entry.memory_limit_bytes is not None and entry.peak_bytes is not None
+            and entry.peak_bytes > entry.memory_limit_bytes):
+        raise RuntimeError(f"our order's peak {entry.peak_bytes} B exceeds the memory limit "
+                           f"{entry.memory_limit_bytes} B")
+    return {"handed": r.text, "record": PassRecord("schedule", bool(r.changed), dt, stats),
+            "memory": dict(input_peak_bytes=entry.input_peak_bytes, peak_bytes=entry.peak_bytes,
+                           memory_limit_bytes=entry.memory_limit_bytes)}
 
 
 def _pinned(stock, options, cluster, cost_model, seconds: dict) -> dict:
