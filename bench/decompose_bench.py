@@ -180,6 +180,13 @@ def _taskgraph_columns(rec: dict) -> dict:
     if not row["verdicts"] and not rec.get("decomposed"):
         row["verdicts"] = ("no critical collective" if not rec.get("critical")
                            else "no candidate with a predicted gain")
+    guard = rec.get("final_module_guard")
+    if guard and rec.get("decomposed"):
+        # compile_for_target's rewrite guard: the split program's plan on XLA's scheduled module
+        # against the plan without it; a dropped split is not in the S+AD column's module.
+        verdict = "kept" if guard["kept"] else "DROPPED"
+        row["verdicts"] += (f"; final-module guard: {verdict} ({guard['without_rewrite_planned_us']} us "
+                            f"without -> {guard['rewritten_planned_us']} us with the splits)")
     return row
 
 
