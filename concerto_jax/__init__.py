@@ -6,16 +6,24 @@ Pipeline (one stage per module)::
       | capture    (capture.py)   post-SPMD per-device HLO, device assignment, calling convention
       | parse      (hlo_passes)   HLO text -> IR, verified
       | passes     (pipeline.py)  registered passes over the IR (identity by default)
-      | emit       (hlo_passes)   IR -> HLO text, checked by XLA's parser
+      | print      (hlo_passes)   IR -> HLO text, checked by XLA's parser (its scheduled form with
+      |                           async start/done pairs: hlo_passes.emit, written by dump_dir)
       | execute    (executor.py)  compiled as a replicated program on the same devices
       v
     OptimizedStep: called like the original step; .report() says what was done
 
+    Target GPU cluster, deviceless (target/program.py: compile_for_target)::
+
+      stock compile for the target -> passes that rewrite the program (post-SPMD module)
+      -> XLA's pipeline up to its scheduler -> "schedule" on XLA's scheduled module
+      (target/native.py) -> XLA's backend only, through the PJRT C API (target/pjrt_c.py):
+      XLA's final module keeps our order
+
 Public API: ``optimize``, ``Options``, ``OptimizedStep``, ``Report``,
 ``ConcertoFallbackWarning``, ``FirstStepMismatch``; for a target GPU cluster without a GPU:
 ``target_mesh`` (a mesh of the cluster's deviceless devices) and
-``compile_for_target`` (the pipeline's module compiled by XLA's GPU compiler
-for the target, with planned/final/stock step times; ``TargetResult``).
+``compile_for_target`` (our plan compiled by XLA's GPU compiler for the target,
+with planned/final/stock step times; ``TargetResult``).
 """
 
 from concerto_jax.api import ConcertoFallbackWarning, FirstStepMismatch, OptimizedStep, optimize
