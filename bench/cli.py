@@ -9,6 +9,15 @@ import os
 import sys
 
 
+def _suite_arguments(p: argparse.ArgumentParser, prefix_help: str) -> None:
+    """The arguments every suite benchmark takes: which cases, where results go, verbosity."""
+    p.add_argument("--case", action="append", help="run only this case (repeatable)")
+    p.add_argument("--quick", action="store_true", help="run only the quick subset")
+    p.add_argument("--out", default="bench/results", help="output directory")
+    p.add_argument("--prefix", default=None, help=prefix_help)
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
 def main(argv=None) -> int:
     """Parse arguments and run the chosen benchmark; returns the exit status."""
     # Every subcommand compiles deviceless or runs on the CPU: JAX on CPU, set before JAX starts.
@@ -16,15 +25,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="concerto-bench", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("baseline", help="stock XLA schedule vs program order vs lower bound, simulated")
-    b.add_argument("--case", action="append", help="run only this case (repeatable)")
-    b.add_argument("--quick", action="store_true", help="run only the quick subset")
+    _suite_arguments(b, "result file prefix (default: baseline[_quick])")
     b.add_argument("--pgle", action="store_true", help="also compile with a PGLE profile from our cost model")
     b.add_argument("--windowed-einsum", action="store_true",
                    help="also compile with windowed einsum (collective matmul) on")
-    b.add_argument("--out", default="bench/results", help="output directory")
-    b.add_argument("--prefix", default=None, help="result file prefix (default: baseline[_quick])")
     b.add_argument("--trace-case", default=None, help="case exported as Perfetto trace + Gantt PNG")
-    b.add_argument("-v", "--verbose", action="store_true")
     v = sub.add_parser("validate-cpu", help="simulated vs measured time of single-device CPU programs")
     v.add_argument("--out", default="bench/results", help="output directory")
     v.add_argument("--repeats", type=int, default=15, help="interleaved timing rounds (medians of process CPU time)")
@@ -39,24 +44,16 @@ def main(argv=None) -> int:
     concerto_vs_xla.add_arguments(sub.add_parser(
         "concerto", help="Concerto(S) vs stock XLA on the same fused graph, simulated"))
     fid = sub.add_parser("fidelity", help="XLA's final module of our program vs plan vs stock XLA")
-    fid.add_argument("--case", action="append", help="run only this case (repeatable)")
-    fid.add_argument("--quick", action="store_true", help="run only the quick subset")
-    fid.add_argument("--out", default="bench/results", help="output directory")
-    fid.add_argument("--prefix", default=None, help="result file prefix (default: fidelity[_quick])")
+    _suite_arguments(fid, "result file prefix (default: fidelity[_quick])")
     fid.add_argument("--dump-dir", default=None, help="write each case's modules under this directory")
     fid.add_argument("--via", default="backend_only", choices=("backend_only", "pin"),
                      help="compile_for_target's path (default: backend_only)")
-    fid.add_argument("-v", "--verbose", action="store_true")
     d = sub.add_parser("decompose", help="stock XLA vs Concerto(S) vs Concerto(S+AD), XLA's final module")
-    d.add_argument("--case", action="append", help="run only this case (repeatable)")
-    d.add_argument("--quick", action="store_true", help="run only the quick subset")
-    d.add_argument("--out", default="bench/results", help="output directory")
+    _suite_arguments(d, "output file prefix (default: decompose)")
     d.add_argument("--taskgraph-only", action="store_true",
                    help="only the task-graph columns (one stock compile per case, no final module)")
-    d.add_argument("--prefix", default=None, help="output file prefix")
     d.add_argument("--split-copies", choices=("estimate", "zero"), default="estimate",
                    help="DecomposeOptions.split_copies (cost of the slices/concats a split adds)")
-    d.add_argument("-v", "--verbose", action="store_true")
     dc = sub.add_parser("decompose-calibrate",
                         help="measure the decomposition's chunk overhead and overlap slowdown (CPU)")
     dc.add_argument("--repeats", type=int, default=15)
