@@ -9,7 +9,8 @@
   use the same options.
 * ``NO_COMBINER``: XLA:CPU's own all-reduce combiner off.
 * ``tree_diff`` / ``assert_tree_bitwise``: bitwise comparison of two pytrees of arrays
-  (typed PRNG keys compared through their key data, NaNs equal where both are NaN).
+  (tree structure, dtype, shape, sharding, values; typed PRNG keys compared through their
+  key data, NaNs equal where both are NaN, or raw bytes with ``exact=True``).
 * ``dp_mlp_step``: a data-parallel MLP train step on the 8-device CPU mesh with one
   gradient all-reduce per layer.
 * ``run_bitwise_steps``: run a compiled reference and an optimised step side by side.
@@ -39,8 +40,15 @@ def bits(x) -> np.ndarray:
     return np.asarray(x)
 
 
-def tree_diff(a, b, *, sharding: bool = True) -> list[str]:
+def tree_diff(a, b, *, sharding: bool = True, exact: bool = False) -> list[str]:
     """What differs between two pytrees: structure, dtype, shape, sharding (optional), bits.
+
+    Args:
+      a: A pytree of arrays (jax or numpy; numpy leaves need ``sharding=False``).
+      b: A pytree of arrays.
+      sharding: Also compare each leaf's ``.sharding``.
+      exact: Compare the raw bytes, so that -0.0 != 0.0 and NaN payloads count; by default
+        values compare as ``np.array_equal(..., equal_nan=True)``.
 
     Returns:
       One line per differing leaf (empty when the trees are bitwise equal).
@@ -56,14 +64,18 @@ def tree_diff(a, b, *, sharding: bool = True) -> list[str]:
             bad.append(f"{where}: {x.dtype}{x.shape} vs {y.dtype}{y.shape}")
         elif sharding and x.sharding != y.sharding:
             bad.append(f"{where}: sharding {x.sharding} vs {y.sharding}")
-        elif not np.array_equal(bits(x), bits(y), equal_nan=True):
+        elif exact and bits(x).tobytes() != bits(y).tobytes():
+            bad.append(f"{where}: bytes differ")
+        elif not exact and not np.array_equal(bits(x), bits(y), equal_nan=True):
             bad.append(f"{where}: values differ")
     return bad
 
 
-def assert_tree_bitwise(a, b, *, sharding: bool = True, what: str = "") -> None:
-    """Fail with the first differing leaves unless ``a`` and ``b`` are bitwise equal."""
-    bad = tree_diff(a, b, sharding=sharding)
+def assert_tree_bitwise(a, b, *, sharding: bool = True, exact: bool = False,
+                        what: str = "") -> None:
+    """Fail with the first differing leaves unless ``a`` and ``b`` are bitwise equal
+    (arguments as :func:`tree_diff`; ``what`` prefixes the message)."""
+    bad = tree_diff(a, b, sharding=sharding, exact=exact)
     assert not bad, f"{what}{': ' if what else ''}{len(bad)} leaves differ: {bad[:5]}"
 
 

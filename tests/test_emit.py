@@ -2,8 +2,6 @@
 
 import os
 
-import jax
-import numpy as np
 import pytest
 
 import concerto_jax
@@ -11,6 +9,7 @@ import hlo_passes
 import models
 from hlo_passes.emit import emit_scheduled
 from hlo_passes.pins import pin_windows, windows_from_order
+from tests._helpers import FAST, run_bitwise_steps
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "hlo")
 
@@ -65,22 +64,12 @@ def test_pins_tie_windows_and_keep_a_valid_module():
         assert any(u.opcode == "tuple" and u.users[0].opcode == "opt-barrier" for u in c.users)
 
 
-def _bitwise_equal(a, b):
-    return all(np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True)
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
-
-
 @pytest.mark.parametrize(("model", "layout"), [("gpt", "tp")])
 def test_pinned_step_is_bitwise_equal_on_cpu(model, layout):
-    fast = {"xla_backend_optimization_level": 0}
     case = models.make_case(model, layout, "tiny")
-    reference = case.step.lower(case.state, case.batch).compile(compiler_options=fast)
-    step = concerto_jax.optimize(case.step, concerto_jax.Options(passes=("schedule", "pin"), compiler_options=fast,
+    reference = case.step.lower(case.state, case.batch).compile(compiler_options=FAST)
+    step = concerto_jax.optimize(case.step, concerto_jax.Options(passes=("schedule", "pin"), compiler_options=FAST,
                                                                  fallback=False))
-    ref, opt = case.init_state(0), case.init_state(0)
-    for _ in range(2):
-        ref, ref_metrics = reference(ref, case.batch)
-        opt, opt_metrics = step(opt, case.batch)
-        assert _bitwise_equal((opt, opt_metrics), (ref, ref_metrics))
+    run_bitwise_steps(reference, step, case, 2)
     (_, pin) = step.report().passes
     assert pin.stats["pinned"] > 0

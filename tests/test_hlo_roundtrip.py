@@ -11,6 +11,7 @@ import pytest
 
 import hlo_passes as h
 from hlo_passes.rewrites import spmd_to_replicated
+from tests._helpers import assert_tree_bitwise
 
 DATA = pathlib.Path(__file__).parent / "data" / "hlo"
 CORPUS = sorted(DATA.glob("*.hlo"))
@@ -127,14 +128,6 @@ def _as_replicas_minimal(module: h.HloModule) -> None:
             inst.replica_groups = inst.replica_groups
 
 
-def _assert_bitwise(ours, ref):
-    assert len(ours) == len(ref)
-    for i, (a_dev, b_dev) in enumerate(zip(ours, ref, strict=True)):
-        for d, (a, b) in enumerate(zip(a_dev, b_dev, strict=True)):
-            assert a.dtype == b.dtype and a.shape == b.shape, (i, d)
-            assert a.tobytes() == b.tobytes(), f"output {i} differs on device {d}"
-
-
 @pytest.mark.parametrize("path", CPU_CORPUS, ids=_ids(CPU_CORPUS))
 def test_printed_cpu_module_runs_bitwise_like_the_original(path):
     text = path.read_text()
@@ -142,7 +135,9 @@ def test_printed_cpu_module_runs_bitwise_like_the_original(path):
     _as_replicas_minimal(module)
     ours = h.module_to_text(module)
     inputs = _random_inputs(module)
-    _assert_bitwise(_run(ours, inputs), _run(_reference_text(text), inputs))
+    # outputs[i][d]: output i on device d (numpy)
+    assert_tree_bitwise(_run(ours, inputs), _run(_reference_text(text), inputs),
+                        sharding=False, exact=True)
 
 
 # Replicated vs SPMD compiles of this case differ in the last bit of a few gradient

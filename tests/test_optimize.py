@@ -13,20 +13,11 @@ from jax.sharding import PartitionSpec as P
 import concerto_jax
 from concerto_jax import pipeline
 from concerto_jax.executor import donated_parameters
+from tests._helpers import assert_tree_bitwise
 
 
 def _mesh(shape=(2, 4), names=("dp", "tp")):
     return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
-
-
-def _assert_tree_bitwise(a, b):
-    la, ta = jax.tree.flatten(a)
-    lb, tb = jax.tree.flatten(b)
-    assert ta == tb
-    for x, y in zip(la, lb, strict=True):
-        assert x.dtype == y.dtype and x.shape == y.shape
-        assert x.sharding == y.sharding, (x.sharding, y.sharding)
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def _mlp_step(mesh):
@@ -65,7 +56,7 @@ def test_tp_mlp_train_steps_bitwise_equal_and_donated():
         donated = p_opt
         p_opt, v_opt = opt(p_opt, x)
         assert donated["w1"].is_deleted(), "donated argument must be consumed like the original"
-        _assert_tree_bitwise((p_opt, v_opt), (p_ref, v_ref))
+        assert_tree_bitwise((p_opt, v_opt), (p_ref, v_ref))
     rep = opt.report()
     assert rep.optimized and rep.fallback_reason is None
     assert rep.num_devices == 8
@@ -110,7 +101,7 @@ def test_shard_map_axis_index_runs_on_right_devices():
 
     a = jax.device_put(jnp.arange(32.0).reshape(8, 4), NamedSharding(mesh, P("x")))
     opt = concerto_jax.optimize(f)
-    _assert_tree_bitwise(opt(a), f(a))
+    assert_tree_bitwise(opt(a), f(a))
     assert opt.report().optimized
     assert {"all-reduce", "all-gather", "collective-permute"} <= set(opt.report().collectives)
 
@@ -129,7 +120,7 @@ def test_internal_failure_falls_back_with_one_warning(monkeypatch):
     with pytest.warns(concerto_jax.ConcertoFallbackWarning, match="synthetic pass failure"):
         p_opt, v_opt = opt(p_opt, x)
     p_ref, v_ref = step(p_ref, x)
-    _assert_tree_bitwise((p_opt, v_opt), (p_ref, v_ref))
+    assert_tree_bitwise((p_opt, v_opt), (p_ref, v_ref))
     rep = opt.report()
     assert not rep.optimized and "synthetic pass failure" in rep.fallback_reason
     assert "FELL BACK" in str(rep)
@@ -179,13 +170,13 @@ def test_missing_dump_falls_back(monkeypatch):
     opt = concerto_jax.optimize(step, concerto_jax.Options(always_recompile=True))
     with pytest.warns(concerto_jax.ConcertoFallbackWarning, match="CaptureError"):
         got = opt(*make_args())
-    _assert_tree_bitwise(got, step(*make_args()))
+    assert_tree_bitwise(got, step(*make_args()))
     assert not opt.report().optimized
     assert opt.hlo_texts() == ("", None)
 
     # The identity pipeline runs JAX's own executable and captures only for report().
     ident = concerto_jax.optimize(step)
-    _assert_tree_bitwise(ident(*make_args()), step(*make_args()))
+    assert_tree_bitwise(ident(*make_args()), step(*make_args()))
     with pytest.warns(concerto_jax.ConcertoFallbackWarning, match="could not be described"):
         rep = ident.report()
     assert not rep.optimized and rep.executable == "original"

@@ -25,15 +25,11 @@ import concerto_jax
 import hlo_passes
 from concerto_jax.executor import compensate_round_trip, parse_with_xla
 from hlo_passes.rewrites import cpu_divide_by_broadcast, unique_all_reduce_channels
+from tests._helpers import assert_tree_bitwise
 
 
 def _mesh(shape, names):
     return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
-
-
-def _assert_bitwise(a, b):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def _optimized(step, *args):
@@ -64,7 +60,7 @@ def test_shard_map_psum_of_mixed_ranks_compiles_and_matches():
     assert captured.count("all-reduce(") >= 2 and "channel_id=1," in captured
     ids = [int(i) for i in re.findall(r"all-reduce\([^\n]*channel_id=(\d+)", emitted)]
     assert len(ids) == len(set(ids))
-    _assert_bitwise(out, step(a, b, x))
+    assert_tree_bitwise(out, step(a, b, x))
 
 
 def test_softmax_on_2d_mesh_matches_bitwise():
@@ -85,7 +81,7 @@ def test_softmax_on_2d_mesh_matches_bitwise():
     opt, out = _optimized(step, w, x)
     # The premise: a divide whose broadcast divisor XLA:CPU rewrites on the jitted program.
     assert cpu_divide_by_broadcast(hlo_passes.parse_module(opt.hlo_texts()[1])) >= 1
-    _assert_bitwise(out, step(w, x))
+    assert_tree_bitwise(out, step(w, x))
 
 
 _DIV = """HloModule m

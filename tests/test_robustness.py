@@ -20,6 +20,7 @@ import hlo_passes
 from concerto_jax import capture as capture_lib
 from concerto_jax import first_step, pipeline
 from concerto_jax.custom_calls import UnsupportedCustomCall, check_carryable, custom_calls
+from tests._helpers import assert_tree_bitwise
 
 IDENTITY = concerto_jax.Options(fallback=False)
 RECOMPILE = concerto_jax.Options(fallback=False, always_recompile=True, check_first_step=False)
@@ -28,21 +29,6 @@ PATHS = {"identity": IDENTITY, "recompile": RECOMPILE}
 
 def _mesh():
     return jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-
-
-def _bits(x):
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        x = jax.random.key_data(x)
-    return np.asarray(x)
-
-
-def _assert_bitwise(a, b):
-    la, ta = jax.tree.flatten(a)
-    lb, tb = jax.tree.flatten(b)
-    assert ta == tb
-    for x, y in zip(la, lb, strict=True):
-        assert x.dtype == y.dtype and x.shape == y.shape and x.sharding == y.sharding
-        np.testing.assert_array_equal(_bits(x), _bits(y))
 
 
 # -- host callbacks ------------------------------------------------------------------
@@ -114,7 +100,7 @@ def test_host_callbacks_fire_in_order_with_same_values(kind, path, capfd):
         w_opt, v_opt = opt(w_opt, x)
         jax.effects_barrier()
         printed_opt = capfd.readouterr().out
-        _assert_bitwise((w_opt, v_opt), (w_ref, v_ref))
+        assert_tree_bitwise((w_opt, v_opt), (w_ref, v_ref))
         assert printed_opt == printed_ref
     assert sorted(log_opt) == sorted(log_ref)
     if kind != "debug_callback_partitioned":  # one device per call: order is defined
@@ -183,7 +169,7 @@ def test_library_custom_calls_are_carried(path):
 
     x = jax.device_put(jax.random.normal(jax.random.key(0), (8, 16)), xs)
     opt = concerto_jax.optimize(step, PATHS[path])
-    _assert_bitwise(opt(x), step(x))
+    assert_tree_bitwise(opt(x), step(x))
     captured, _ = opt.hlo_texts()
     targets = {c.target for c in custom_calls(hlo_passes.parse_module(captured))}
     assert any(t.startswith("lapack_") for t in targets), targets
@@ -228,7 +214,7 @@ def test_typed_key_arguments_results_and_donation(impl, path):
         donated = got[2]
         got = opt(*got)
         assert donated.is_deleted(), "the donated key must be consumed like the original's"
-        _assert_bitwise(got, ref)
+        assert_tree_bitwise(got, ref)
         assert got[2].dtype == ref[2].dtype
         assert str(jax.random.key_impl(got[2])) == str(jax.random.key_impl(ref[2])) == impl
         ref = (ref[0], make_args()[1], ref[2])
@@ -243,7 +229,7 @@ def test_default_prng_impl_config_keys():
         args = make_args()
     assert "rbg" in str(args[2].dtype)
     opt = concerto_jax.optimize(step, RECOMPILE)
-    _assert_bitwise(opt(*make_args_like(args)), step(*make_args_like(args)))
+    assert_tree_bitwise(opt(*make_args_like(args)), step(*make_args_like(args)))
 
 
 def make_args_like(args):
@@ -287,7 +273,7 @@ def test_flax_nnx_model_with_rng_state(path):
     for _ in range(2):
         ref, v_ref = step(ref, x)
         got, v_got = opt(got, x)
-        _assert_bitwise((got, v_got), (ref, v_ref))
+        assert_tree_bitwise((got, v_got), (ref, v_ref))
     assert opt.report().optimized
 
 
@@ -329,7 +315,7 @@ def test_flax_linen_model_with_dropout_key(path):
     for _ in range(2):
         ref = step(*ref)
         got = opt(*got)
-        _assert_bitwise(got, ref)
+        assert_tree_bitwise(got, ref)
         ref, got = (ref[0], x, ref[2]), (got[0], x, got[2])
 
 
@@ -341,7 +327,7 @@ def test_identity_runs_the_original_executable_and_captures_lazily(monkeypatch):
     real = capture_lib.capture
     monkeypatch.setattr(capture_lib, "capture", lambda *a, **k: calls.append(1) or real(*a, **k))
     opt = concerto_jax.optimize(step)
-    _assert_bitwise(opt(*make_args()), step(*make_args()))
+    assert_tree_bitwise(opt(*make_args()), step(*make_args()))
     assert calls == [], "the identity pipeline must not capture (compile) before report()"
     rep = opt.report()
     assert calls == [1] and rep.optimized and rep.executable == "original"
@@ -390,13 +376,13 @@ def test_first_step_check_catches_a_difference_and_falls_back(monkeypatch):
         got = opt(*args)
     assert args[0].is_deleted(), "the user's donated buffer is consumed once, like the original's"
     want = step(*make_args())
-    _assert_bitwise(got, want)  # the original's result, not ours
+    assert_tree_bitwise(got, want)  # the original's result, not ours
     rep = opt.report()
     assert not rep.optimized and rep.executable == "original"
     assert rep.first_step_check.startswith("ran: DIFFERED")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _assert_bitwise(opt(*make_args()), step(*make_args()))  # original from now on, no new warning
+        assert_tree_bitwise(opt(*make_args()), step(*make_args()))  # original from now on, no new warning
 
     strict = concerto_jax.optimize(step, concerto_jax.Options(passes=("schedule",), fallback=False,
                                                               check_first_step=True))
@@ -418,16 +404,16 @@ def test_first_step_check_passes_and_reports(monkeypatch):
     args = make_args()
     got = opt(*args)
     assert args[0].is_deleted()
-    _assert_bitwise(got, step(*make_args()))
+    assert_tree_bitwise(got, step(*make_args()))
     rep = opt.report()
     assert rep.optimized and rep.executable == "recompiled"
     assert rep.first_step_check == "ran: outputs equal the original's (bitwise)"
-    _assert_bitwise(opt(*make_args()), step(*make_args()))
+    assert_tree_bitwise(opt(*make_args()), step(*make_args()))
 
     # "auto" skips the check when the copies would not fit in half of the free memory.
     monkeypatch.setattr(first_step, "_host_available_bytes", lambda: 1000)
     tight = concerto_jax.optimize(step, concerto_jax.Options(always_recompile=True))
-    _assert_bitwise(tight(*make_args()), step(*make_args()))
+    assert_tree_bitwise(tight(*make_args()), step(*make_args()))
     assert tight.report().first_step_check.startswith("skipped (auto)")
     forced = concerto_jax.optimize(step, concerto_jax.Options(always_recompile=True,
                                                               check_first_step=True))
