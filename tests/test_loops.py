@@ -5,7 +5,6 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -20,6 +19,7 @@ from concerto_jax.options import Options
 from concerto_jax.pipeline import PASSES
 from concerto_jax.scheduler.evaluate import evaluate
 from hlo_passes.loops import analyze_while, schedulable_computations
+from tests._helpers import assert_tree_bitwise
 
 _LOOP = """HloModule loops, num_partitions=1
 
@@ -165,8 +165,7 @@ def test_scanned_tp_step_bitwise_with_loops_scheduled(num_layers):
     step, params, x = _scan_step(num_layers)
     opt = concerto_jax.optimize(step, concerto_jax.Options(passes=("schedule",), fallback=False))
     got, want = opt(params, x), step(params, x)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_tree_bitwise(got, want)
     stats = opt.report().passes[0].stats
     assert len(stats["loops"]) == 2, stats["loops"]  # forward and backward layer loops
     assert {loop["trips"] for loop in stats["loops"]} == {num_layers}
@@ -193,7 +192,7 @@ def test_dynamic_trip_count_warns_once_and_stays_bitwise():
     with pytest.warns(UserWarning, match="trip count unknown") as record:
         got = opt(x, n)
     assert len([w for w in record if "trip count unknown" in str(w.message)]) == 1
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(step(x, n)))
+    assert_tree_bitwise(got, step(x, n))
     stats = opt.report().passes[0].stats
     assert stats["loops"] and stats["loops"][0]["trips"] is None
     assert stats["collectives_in_loops"] >= 1

@@ -1,8 +1,6 @@
 """Cross-iteration rewrite of scanned-layer loops (hlo_passes.pipelining, "pipeline_loops" pass):
 FSDP all-gathers of iteration i+1 issued in iteration i, bitwise for trip counts 1, 2 and odd."""
 
-import jax
-import numpy as np
 import pytest
 
 import concerto_jax
@@ -13,6 +11,7 @@ from concerto_jax.pipeline import PASSES, PassOutcome
 from concerto_jax.scheduler import ScheduleOptions
 from hlo_passes.loops import analyze_while
 from hlo_passes.pipelining import pipeline_prefetch, prefetch_candidates
+from tests._helpers import assert_tree_bitwise
 from tests.test_loops import _LOOP, _scan_step
 
 
@@ -35,8 +34,7 @@ def test_forced_prefetch_is_bitwise(num_layers, monkeypatch):
     step, params, x = _scan_step(num_layers, fsdp=True)
     opt = concerto_jax.optimize(step, Options(passes=("force_pipeline", "schedule"), fallback=False))
     got, want = opt(params, x), step(params, x)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_tree_bitwise(got, want)
     report = opt.report()
     assert report.optimized, report.fallback_reason
     forced, sched = report.passes
@@ -132,8 +130,7 @@ def test_pass_end_to_end_bitwise():
                    scheduler=ScheduleOptions(memory_limit_ratio=None))
     opt = concerto_jax.optimize(step, opts)
     got, want = opt(params, x), step(params, x)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_tree_bitwise(got, want)
     assert opt.report().optimized
 
 
