@@ -10,7 +10,7 @@
 * ``NO_COMBINER``: XLA:CPU's own all-reduce combiner off.
 * ``tree_diff`` / ``assert_tree_bitwise``: bitwise comparison of two pytrees of arrays
   (tree structure, dtype, shape, sharding, values; typed PRNG keys compared through their
-  key data, NaNs equal where both are NaN, or raw bytes with ``exact=True``).
+  key data: raw bytes by default, or values with NaNs equal where both are NaN with ``exact=False``).
 * ``dp_mlp_step``: a data-parallel MLP train step on the 8-device CPU mesh with one
   gradient all-reduce per layer.
 * ``run_bitwise_steps``: run a compiled reference and an optimised step side by side.
@@ -40,15 +40,16 @@ def bits(x) -> np.ndarray:
     return np.asarray(x)
 
 
-def tree_diff(a, b, *, sharding: bool = True, exact: bool = False) -> list[str]:
+def tree_diff(a, b, *, sharding: bool = True, exact: bool = True) -> list[str]:
     """What differs between two pytrees: structure, dtype, shape, sharding (optional), bits.
 
     Args:
       a: A pytree of arrays (jax or numpy; numpy leaves need ``sharding=False``).
       b: A pytree of arrays.
       sharding: Also compare each leaf's ``.sharding``.
-      exact: Compare the raw bytes, so that -0.0 != 0.0 and NaN payloads count; by default
-        values compare as ``np.array_equal(..., equal_nan=True)``.
+      exact: Compare the raw bytes (the default: "bitwise" means it), so that -0.0 != 0.0 and
+        NaN payloads count; ``exact=False`` compares values (``np.array_equal(...,
+        equal_nan=True)``).
 
     Returns:
       One line per differing leaf (empty when the trees are bitwise equal).
@@ -65,13 +66,13 @@ def tree_diff(a, b, *, sharding: bool = True, exact: bool = False) -> list[str]:
         elif sharding and x.sharding != y.sharding:
             bad.append(f"{where}: sharding {x.sharding} vs {y.sharding}")
         elif exact and bits(x).tobytes() != bits(y).tobytes():
-            bad.append(f"{where}: bytes differ")
+            bad.append(f"{where}: values differ (bytes)")
         elif not exact and not np.array_equal(bits(x), bits(y), equal_nan=True):
             bad.append(f"{where}: values differ")
     return bad
 
 
-def assert_tree_bitwise(a, b, *, sharding: bool = True, exact: bool = False,
+def assert_tree_bitwise(a, b, *, sharding: bool = True, exact: bool = True,
                         what: str = "") -> None:
     """Fail with the first differing leaves unless ``a`` and ``b`` are bitwise equal
     (arguments as :func:`tree_diff`; ``what`` prefixes the message)."""
