@@ -344,18 +344,24 @@ def _validation_markdown(rows, command: str, setup: str, load: tuple, seconds: f
           f"`{command}` ({seconds:.0f} s). {setup}",
           f"Load average (1/5/15 min) at start {load[0][0]:.2f}/{load[0][1]:.2f}/{load[0][2]:.2f}, "
           f"at end {load[1][0]:.2f}/{load[1][1]:.2f}/{load[1][2]:.2f}.", "",
-          "| program | measured us | store us | error % | analytic us | error % | wall: measured us | store us "
+          "| program | measured us | store us | error % | analytic us | error % | roofline us | error % "
+          "| wall: measured us | store us "
           "| error % | kernels in program (profiler, wall) us | kernels | failed | temp MiB | page faults/run |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     md += [f"| {r.name} | {r.measured_us:.0f} | {r.from_store_us:.0f} | {r.store_error_pct:+.1f} | "
-           f"{r.analytic_us:.0f} | {r.analytic_error_pct:+.1f} | {r.measured_wall_us:.0f} | {r.from_store_wall_us:.0f} | "
+           f"{r.analytic_us:.0f} | {r.analytic_error_pct:+.1f} | {r.roofline_us:.0f} | {r.roofline_error_pct:+.1f} | "
+           f"{r.measured_wall_us:.0f} | {r.from_store_wall_us:.0f} | "
            f"{r.store_wall_error_pct:+.1f} | {r.in_program_sum_us:.0f} | {r.kernels} | {r.failed} | "
            f"{r.temp_bytes / 2**20:.1f} | {r.page_faults} |" for r in rows]
     md += ["", "Mean |error| (process CPU time): per-kernel store "
            f"{mean_abs_error_pct([r.store_error_pct for r in rows]):.1f} %, analytic "
-           f"{mean_abs_error_pct([r.analytic_error_pct for r in rows]):.1f} %; wall time: per-kernel store "
+           f"{mean_abs_error_pct([r.analytic_error_pct for r in rows]):.1f} % (per-class model), one-rate roofline "
+           f"{mean_abs_error_pct([r.roofline_error_pct for r in rows]):.1f} %; wall time: per-kernel store "
            f"{mean_abs_error_pct([r.store_wall_error_pct for r in rows]):.1f} %.",
-           "CPU spec of the analytical model, probes timed in each program's rounds:", ""]
+           "analytic: each kernel classified by what it contains (`cpu_kernel_class`: YNNPACK dot fusion, plain dot, "
+           "reduction, inner-dimension transpose, stream) and costed at its class's rate, probed by a "
+           "micro-benchmark in each program's rounds (`cpu_spec_probes`); roofline: one GEMM rate and one "
+           "bandwidth (the model before the classes). Probes:", ""]
     md += [f"- {r.name}: {r.cpu_spec}" for r in rows]
     md += ["",
            "measured: median process CPU time of the jitted program less a program with the same arguments and",
@@ -381,6 +387,13 @@ def _validation_markdown(rows, command: str, setup: str, load: tuple, seconds: f
             if ks:
                 md.append(f"| {r.name} | {lo}-{hi} us | {len(ks)} | {sum(k.in_program_us for k in ks):.0f} | "
                           f"{sum(k.store_us for k in ks):.0f} | {sum(k.analytic_us for k in ks):.0f} |")
+    md += ["", "Per-class sums (analytic model's kernel classes):", "",
+           "| program | class | kernels | store us | analytic us | analytic / store |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        for cls in sorted({k.kernel_class for k in r.kernel_rows}):
+            ks = [k for k in r.kernel_rows if k.kernel_class == cls]
+            st, an = sum(k.store_us for k in ks), sum(k.analytic_us for k in ks)
+            md.append(f"| {r.name} | {cls} | {len(ks)} | {st:.0f} | {an:.0f} | {an / st if st else float('nan'):.2f} |")
     return "\n".join(md) + "\n"
 
 
@@ -408,9 +421,11 @@ def run_cpu_validation(out_dir: str = "bench/results", prefix: str = "baseline_c
     for k, (name, fn, args) in enumerate(progs, 1):
         log.info("[%d/%d] validating %s", k, len(progs), name)
         rows.append(validate_program(name, fn, args, repeats=repeats))
-        log.info("%s: measured %.0f us, store %+.1f %%, analytic %+.1f %%", name, rows[-1].measured_us,
-                 rows[-1].store_error_pct, rows[-1].analytic_error_pct)
+        log.info("%s: measured %.0f us, store %+.1f %%, analytic %+.1f %% (roofline %+.1f %%)", name,
+                 rows[-1].measured_us, rows[-1].store_error_pct, rows[-1].analytic_error_pct,
+                 rows[-1].roofline_error_pct)
     fields = ("name", "measured_us", "from_store_us", "store_error_pct", "analytic_us", "analytic_error_pct",
+              "roofline_us", "roofline_error_pct",
               "measured_wall_us", "from_store_wall_us", "store_wall_error_pct", "in_program_sum_us", "kernels", "failed",
               "temp_bytes", "page_faults")
     with open(os.path.join(out_dir, prefix + ".csv"), "w", newline="") as f:
