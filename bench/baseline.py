@@ -359,7 +359,8 @@ def _validation_markdown(rows, command: str, setup: str, load: tuple, seconds: f
            f"{mean_abs_error_pct([r.roofline_error_pct for r in rows]):.1f} %; wall time: per-kernel store "
            f"{mean_abs_error_pct([r.store_wall_error_pct for r in rows]):.1f} %.",
            "analytic: each kernel classified by what it contains (`cpu_kernel_class`: YNNPACK dot fusion, plain dot, "
-           "reduction, inner-dimension transpose, stream) and costed at its class's rate, probed by a "
+           "reduction, inner-dimension transpose with a read stride below or from 4 KiB, stream) and costed at "
+           "its class's rate, probed by a "
            "micro-benchmark in each program's rounds (`cpu_spec_probes`); roofline: one GEMM rate and one "
            "bandwidth (the model before the classes). Probes:", ""]
     md += [f"- {r.name}: {r.cpu_spec}" for r in rows]

@@ -121,3 +121,98 @@ def test_pinned_process_compiles_unpartitioned_fusions():
     # The Eigen flag alone leaves the loop fusion split across the intra-op pool; pinning does not.
     assert counts["free"] >= 1
     assert counts["pin"] == 0
+
+
+def _entry_kernels(fn, *shapes):
+    """(opcode, OpInfo) of every kernel of XLA:CPU's optimized module for ``jit(fn)`` on f32 zeros."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from concerto_jax.costmodel.compute import FREE_OPCODES
+    from concerto_jax.hlo_taskgraph import op_info
+    from hlo_passes.parser import parse_module
+
+    args = [jnp.zeros(s, jnp.float32) for s in shapes]
+    module = parse_module(jax.jit(fn).lower(*args).compile().as_text())
+    return [op_info(i) for i in module.entry.instructions if i.opcode not in FREE_OPCODES]
+
+
+@pytest.mark.parametrize("fn, shapes, expected", [
+    (lambda x, y: x @ y, ((64, 64), (64, 64)), "dot_ynn"),  # YNNPACK takes a canonical dot
+    (lambda x, y: x.T @ y, ((64, 64), (64, 64)), "dot_plain"),  # ...not a transposed lhs (ynn_support.cc)
+    (lambda x: x.sum(axis=1), ((64, 256),), "reduce"),
+    (lambda x: x.T * 1.5, ((256, 16),), "transpose"),  # inner dim moved, 64 B read stride
+    (lambda x: x.T * 1.5, ((1024, 1024),), "transpose_far"),  # 4 KiB read stride
+    (lambda x: jax_tanh(x) * 2.0 + x, ((64, 256),), "stream"),
+])
+def test_kernel_class_of_small_compiled_kernels(fn, shapes, expected):
+    from concerto_jax.costmodel.cpu import KERNEL_CLASSES, cpu_kernel_class
+
+    kernels = _entry_kernels(fn, *shapes)
+    assert len(kernels) == 1, [k.name for k in kernels]
+    assert expected in KERNEL_CLASSES
+    assert cpu_kernel_class(kernels[0]) == expected
+
+
+def jax_tanh(x):
+    import jax.numpy as jnp
+
+    return jnp.tanh(x)
+
+
+def test_rates_from_probe_times_are_the_stated_formulas():
+    from concerto_jax.costmodel.cpu import CpuSpecProbes
+
+    probes = CpuSpecProbes({}, n=512, stream_elements=1 << 20)
+    e = 1 << 20
+    us = {"trivial": 10.0, "gemm": 2010.0, "dot_plain": 4010.0, "dot_plain_small": 110.0, "axpy": 310.0,
+          "poly": 510.0, "exp": 410.0, "row_sum": 210.0, "transpose": 1010.0, "transpose_far": 4010.0}
+    r = probes.rates_from(us)
+    assert r.dot_ynn_flops == pytest.approx(2 * 512**3 / 2000e-6)
+    assert r.dot_plain_flops == pytest.approx(2 * 512**3 / 4000e-6)
+    assert r.dot_plain_small_flops == pytest.approx(2 * 64 * 64 * 2048 / 100e-6)
+    assert r.stream_bytes == pytest.approx(8 * e / 300e-6)
+    assert r.reduce_bytes == pytest.approx(4 * e / 200e-6)
+    assert r.transpose_bytes == pytest.approx(8 * e / 1000e-6)
+    assert r.transpose_far_bytes == pytest.approx(8 * e / 4000e-6)
+    assert r.vector_flops == pytest.approx(32 * e / 500e-6)
+    assert r.transcendental_s == pytest.approx(100e-6 / e)  # exp less axpy, per element
+    # Longer probe time, lower rate: the two transposes come out in the order of their times.
+    assert r.transpose_far_bytes < r.transpose_bytes
+
+
+def test_probes_give_positive_rates_and_each_class_uses_its_own():
+    pytest.importorskip("jax")
+    import math
+
+    from concerto_jax.costmodel.cpu import cpu_kernel_time_us, measure_cpu_rates
+
+    rates = measure_cpu_rates(n=128, stream_elements=1 << 14, repeats=2)
+    for f in ("dot_ynn_flops", "dot_plain_flops", "dot_plain_small_flops", "stream_bytes", "reduce_bytes",
+              "transpose_bytes", "transpose_far_bytes", "vector_flops"):
+        v = getattr(rates, f)
+        assert v > 0 and math.isfinite(v), f
+    assert rates.transcendental_s >= 0 and "GFLOP/s" in rates.source
+    # The model divides each class's work by that class's rate: same bytes, time ratio = rate ratio.
+    near, = _entry_kernels(lambda x: x.T * 1.5, (256, 16))
+    t = cpu_kernel_time_us(near, rates) - rates.overhead_us
+    assert t == pytest.approx(1e6 * (2 * 256 * 16 * 4) / rates.transpose_bytes, rel=1e-9)
+
+
+def test_plain_dot_rate_lies_between_its_two_probes():
+    from concerto_jax.costmodel.compute import ArrayInfo, OpInfo
+    from concerto_jax.costmodel.cpu import CpuRates, cpu_kernel_time_us
+
+    rates = CpuRates(100e9, 80e9, 20e9, 20e9, 5e9, 50e9, 0.0, dot_plain_small_flops=20e9, overhead_us=0.0)
+
+    def dot(m, n, k):
+        return OpInfo("d", "dot", (ArrayInfo("f32", (m, n)),), ((ArrayInfo("f32", (k, m)),), (ArrayInfo("f32", (n, k)),)),
+                      {"lhs_contracting_dims": "{0}", "rhs_contracting_dims": "{1}"})
+
+    def rate(m, n, k):
+        return 2.0 * m * n * k / (cpu_kernel_time_us(dot(m, n, k), rates) * 1e-6)
+
+    assert rate(64, 64, 2048) == pytest.approx(20e9)
+    assert rate(512, 512, 512) == pytest.approx(80e9)
+    assert rate(8, 8, 1 << 16) == pytest.approx(20e9)  # clamped below the small probe's output size
+    assert 20e9 < rate(128, 128, 2048) < rate(256, 256, 2048) < 80e9

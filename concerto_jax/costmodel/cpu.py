@@ -6,8 +6,11 @@ own module (a fusion's fused computation becomes the entry; any other
 instruction gets parameters for its operands) and timed; the per-kernel times
 go into a ``ProfileStore`` keyed by signature. Simulating the program's task
 graph with those times (``CostModel(store=...)``) should then predict the
-whole-program time, and so should the analytical model given a measured CPU
-spec (``measure_cpu_spec``: GEMM rate and streaming bandwidth). Dispatch
+whole-program time, and so should the analytic model: every kernel classified by
+what XLA:CPU runs it as (``cpu_kernel_class``: YNNPACK dot fusion, plain dot,
+reduction, transpose, stream) and costed at its class's rate, each rate measured by
+its own micro-benchmark probe (``cpu_spec_probes``, ``measure_cpu_rates``,
+``cpu_kernel_time_us``). Dispatch
 overhead (measured on a trivial program, per path) is subtracted from every
 timing. XLA:CPU runs on one pinned core (``pin_to_one_cpu``); times are medians of
 process CPU time over interleaved rounds (time spent waiting for a neighbour on the
