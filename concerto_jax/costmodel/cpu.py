@@ -733,13 +733,7 @@ def cpu_kernel_model(cluster, options, rates: CpuRates, store: ProfileStore | No
     from concerto_jax.costmodel.model import CostModel
 
     class _CpuKernelModel(CostModel):
-        def compute_us(self, op: OpInfo) -> float:
-            if self.store is not None:
-                measured = self.store.lookup(op)
-                if measured is not None:
-                    self.hits += 1
-                    return measured
-                self.misses += 1
+        def modelled_compute_us(self, op: OpInfo) -> float:
             return cpu_kernel_time_us(op, rates)
 
     return _CpuKernelModel(cluster, options, store=store)

@@ -63,6 +63,11 @@ class CostModel:
                 self.hits += 1
                 return measured
             self.misses += 1
+        return self.modelled_compute_us(op)
+
+    def modelled_compute_us(self, op: OpInfo) -> float:
+        """The model's time of a compute instruction, the store left aside (what a subclass
+        with another compute model, e.g. ``cpu.cpu_kernel_model``, overrides)."""
         return compute_time_us(op, self.gpu, self.options.compute)
 
     def collective(self, op: str, nbytes: float, groups: Sequence[Sequence[int]]) -> CollectiveCost:
