@@ -122,6 +122,18 @@ def _setup(layout):
 
 
 # "tp" (an all-reduce on a 1-D mesh: also in dp_tp and tp_scanned) with CONCERTO_FULL_SWEEP=1.
+def _assert_steps_close(step, opt, state, batches) -> None:
+    """Every batch through plain jit and the optimised step from the same state: losses and the
+    final state (params, optimizer state) within the stated tolerance (rtol 1e-4, atol 1e-6)."""
+    ref_state, got_state = state, jax.tree.map(jnp.copy, state)
+    for batch in batches:
+        ref_state, ref_loss = step(ref_state, batch)
+        got_state, loss = opt(got_state, batch)
+        np.testing.assert_allclose(np.asarray(loss), np.asarray(ref_loss), rtol=1e-4, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(got_state), jax.tree.leaves(ref_state), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS) if FULL_SWEEP else sorted(set(LAYOUTS) - {"tp"}))
 def test_heldout_transformer_three_steps(layout):
     step, state, batches = _setup(layout)
@@ -129,13 +141,7 @@ def test_heldout_transformer_three_steps(layout):
     opts = concerto_jax.Options(passes=("decompose", "schedule"), fallback=False, scheduler=fast,
                                 decompose=DecomposeOptions(force_degree=2))
     opt = concerto_jax.optimize(step, opts)
-    ref_state, opt_state_ = state, jax.tree.map(jnp.copy, state)
-    for batch in batches:
-        ref_state, ref_loss = step(ref_state, batch)
-        opt_state_, loss = opt(opt_state_, batch)
-        np.testing.assert_allclose(np.asarray(loss), np.asarray(ref_loss), rtol=1e-4, atol=1e-6)
-    for a, b in zip(jax.tree.leaves(opt_state_), jax.tree.leaves(ref_state), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    _assert_steps_close(step, opt, state, batches)
     report = opt.report()
     assert report.optimized, report.fallback_reason
     rec = {p.name: p for p in report.passes}["decompose"]
@@ -160,13 +166,7 @@ def test_heldout_defaults():
     fast = concerto_jax.scheduler.ScheduleOptions(full_model_max_tasks=0, odd_even=None)
     opt = concerto_jax.optimize(step, concerto_jax.Options(passes=("decompose", "schedule"),
                                                            fallback=False, scheduler=fast))
-    ref_state, got_state = state, jax.tree.map(jnp.copy, state)
-    for batch in batches:
-        ref_state, ref_loss = step(ref_state, batch)
-        got_state, loss = opt(got_state, batch)
-        np.testing.assert_allclose(np.asarray(loss), np.asarray(ref_loss), rtol=1e-4, atol=1e-6)
-    for a, b in zip(jax.tree.leaves(got_state), jax.tree.leaves(ref_state), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    _assert_steps_close(step, opt, state, batches)
     report = opt.report()
     assert report.optimized, report.fallback_reason
     stats = {p.name: p for p in report.passes}["decompose"].stats
