@@ -43,6 +43,11 @@ class SplitPlan:
     # True for an op that is cheap to recompute from unsplit operands (a broadcast of
     # them, an iota): users outside the plan keep the original, no concatenation.
     replicable: bool = False
+    # A *partial* member (``out_dim`` unused): an op that contracts or reduces the split
+    # dimension (a dot contracting it, a reduce over it). Each chunk computes the whole
+    # output over its slice; the chunks are combined by this opcode ("add", "maximum",
+    # "minimum") and every user reads the combination. Reassociates sums.
+    partial: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +57,8 @@ class SplitResult:
     chunks: dict[str, list[str]]  # original name -> chunk names
     slices: list[str]
     concats: list[str]
+    sums: list[str] = dataclasses.field(default_factory=list)  # combinations of partial members
+    barriers: list[str] = dataclasses.field(default_factory=list)  # isolate=True: opt-barriers
 
 
 def _chunk_shape(shape: Shape, dim: int, n: int) -> Shape:
@@ -61,6 +68,17 @@ def _chunk_shape(shape: Shape, dim: int, n: int) -> Shape:
                        "expected a degree that divides every split dimension")
     dims[dim] //= n
     return Shape(shape.dtype, dims, shape.layout)
+
+
+_WIDE = {"bf16": "f32", "f16": "f32"}
+
+
+def _partial_shape(inst: Instruction) -> Shape:
+    """A partial chunk's shape: the whole output; a half-precision dot accumulates in f32
+    (the original GEMM rounds once, after its f32 accumulation; so do the summed chunks)."""
+    if inst.opcode == "dot" and inst.shape.dtype in _WIDE:
+        return Shape(_WIDE[inst.shape.dtype], list(inst.shape.dims), inst.shape.layout)
+    return inst.shape
 
 
 def _adjust_slice(attrs: dict, inst: Instruction, plan: SplitPlan, n: int) -> None:
@@ -85,13 +103,21 @@ ADJUST: dict[str, Callable[[dict, Instruction, SplitPlan, int], None]] = {
 """Per-opcode attribute changes of a chunk (default: attributes unchanged)."""
 
 
+_SHARED_OK = frozenset({"constant", "iota"})
+"""Outside operands chunks may share (XLA folds or regenerates them inside each kernel)."""
+
+_CLONED = frozenset({"broadcast", "convert", "reshape", "bitcast", "copy", "transpose", "negate",
+                     "reduce-precision"})
+"""Cheap one-pass producers XLA fuses into their consumers: cloned per chunk, not barriered."""
+
+
 def max_channel_id(module) -> int:
     """The largest ``channel_id`` in the module (0 if none)."""
     return max((i.channel_id or 0 for i in module.instructions()), default=0)
 
 
 def split_instructions(comp, plans: dict[Instruction, SplitPlan], n: int,
-                       next_channel_id: Callable[[], int]) -> SplitResult:
+                       next_channel_id: Callable[[], int], isolate: bool = False) -> SplitResult:
     """Replace the planned instructions of ``comp`` by ``n`` chunks each (see the module docstring).
 
     Args:
@@ -100,6 +126,13 @@ def split_instructions(comp, plans: dict[Instruction, SplitPlan], n: int,
         split along the dimension the user's plan names for it.
       n: the degree (>= 2); every split dimension must divide by it.
       next_channel_id: returns a fresh channel id for each collective chunk.
+      isolate: give chunk ``k >= 1`` its own copy of every operand it reads from outside
+        the plan (a chain of ``k`` ``opt-barrier`` s of it; constants and scalars excepted).
+        XLA's GPU pipeline merges independent instructions that share an operand (sibling
+        multi-output fusion, the dot merger); the chunks of a split share every outside
+        operand, so XLA would fuse chunk ``k`` with chunk ``k+1`` back into one kernel that
+        waits for both chunks' collectives, and the split would overlap nothing. An
+        ``opt-barrier`` is a no-op at run time (its result aliases its operand).
 
     Returns:
       The names of the chunks, slices and concatenations added.
@@ -120,7 +153,11 @@ def split_instructions(comp, plans: dict[Instruction, SplitPlan], n: int,
             raise HloError(f"plan of %{inst.name} names {len(plan.operand_dims)} operands, "
                            f"the instruction has {len(inst.operands)}")
         for op, d in zip(inst.operands, plan.operand_dims, strict=True):
-            if op in plans and plans[op].out_dim != d:
+            if op in plans and plans[op].partial is not None:
+                if d is not None:
+                    raise HloError(f"%{inst.name} needs %{op.name} split along {d}, but "
+                                   "that is a partial member (its chunks are summed)")
+            elif op in plans and plans[op].out_dim != d:
                 raise HloError(f"%{inst.name} needs %{op.name} split along {d}, but its plan "
                                f"splits dimension {plans[op].out_dim}")
 
@@ -129,10 +166,40 @@ def split_instructions(comp, plans: dict[Instruction, SplitPlan], n: int,
         return comp.add_instruction(inst, before=before)
 
     slices: dict[tuple[int, int, int], Instruction] = {}
+    sums: list[str] = []
+    barriers: dict[tuple[int, int], Instruction] = {}
+    isolated: list[Instruction] = []
+
+    def own(op: Instruction, k: int, before: Instruction) -> Instruction:
+        """Chunk ``k``'s copy of outside operand ``op`` (``op`` itself for chunk 0).
+
+        A barrier makes XLA materialise its operand, so a cheap producer that XLA would
+        fuse into its consumers (a broadcast, convert, reshape, ...) is cloned for the
+        chunk over chunk ``k``'s copy of its own operands; the barriers go on the values
+        that are materialised anyway (parameters, GEMM results, ...)."""
+        if not isolate or k == 0 or op.opcode in _SHARED_OK or not op.shape.is_array \
+                or not op.shape.dims:
+            return op
+        key = (id(op), k)
+        if key not in barriers:
+            if op.opcode in _CLONED and not op.control_predecessors:
+                ops = [own(o, k, before) for o in op.operands]
+                attrs = {a: (list(v) if isinstance(v, list) else v) for a, v in op.attrs.items()
+                         if a not in ("sharding", "control-predecessors")}
+                b = Instruction(f"{op.name}.own{k}", op.opcode, op.shape, ops, attrs,
+                                literal=op.literal)
+                barriers[key] = add(b, before)
+            else:
+                prev = own(op, k - 1, before)
+                b = Instruction(f"{op.name}.iso{k}", "opt-barrier", op.shape, [prev], {})
+                barriers[key] = add(b, before)
+                isolated.append(barriers[key])
+        return barriers[key]
 
     def slice_of(op: Instruction, dim: int, k: int, before: Instruction) -> Instruction:
         key = (id(op), dim, k)
         if key not in slices:
+            op = own(op, k, before)
             shape = _chunk_shape(op.shape, dim, n)
             step = shape.dims[dim]
             ranges = [f"[{k * step}:{(k + 1) * step}]" if d == dim else f"[0:{size}]"
@@ -143,33 +210,57 @@ def split_instructions(comp, plans: dict[Instruction, SplitPlan], n: int,
         return slices[key]
 
     chunks: dict[int, list[Instruction]] = {}
+    combined: dict[int, Instruction] = {}  # partial member -> the combination of its chunks
     for inst in order:
         plan = plans[inst]
         made = []
         for k in range(n):
             ops = []
             for op, d in zip(inst.operands, plan.operand_dims, strict=True):
-                if op in plans:
+                if op in plans and plans[op].partial is not None:
+                    ops.append(combined[id(op)])
+                elif op in plans:
                     ops.append(chunks[id(op)][k])
                 elif d is None:
-                    ops.append(op)
+                    ops.append(own(op, k, inst))
                 else:
                     ops.append(slice_of(op, d, k, inst))
             attrs = {key: (list(v) if isinstance(v, list) else v) for key, v in inst.attrs.items()
                      if key not in ("sharding", "control-predecessors")}
             ADJUST.get(inst.opcode, lambda *a: None)(attrs, inst, plan, n)
-            new = Instruction(f"{inst.name}.chunk{k}", inst.opcode,
-                              _chunk_shape(inst.shape, plan.out_dim, n), ops, attrs,
+            if plan.partial is None:
+                shape = _chunk_shape(inst.shape, plan.out_dim, n)
+            else:
+                shape = _partial_shape(inst)
+            new = Instruction(f"{inst.name}.chunk{k}", inst.opcode, shape, ops, attrs,
                               literal=inst.literal)
             if inst.channel_id is not None:
                 new.channel_id = next_channel_id()
             made.append(add(new, inst))
         chunks[id(inst)] = made
+        if plan.partial is not None:
+            acc = made[0]
+            for k in range(1, n):
+                acc = add(Instruction(f"{inst.name}.psum{k}", plan.partial, acc.shape,
+                                      [acc, made[k]], {}), inst)
+                sums.append(acc.name)
+            if acc.shape.dtype != inst.shape.dtype:
+                acc = add(Instruction(f"{inst.name}.psum", "convert", inst.shape, [acc], {}), inst)
+                sums.append(acc.name)
+            if "metadata" in inst.attrs:
+                acc.attrs["metadata"] = inst.attrs["metadata"]
+            combined[id(inst)] = acc
+            for user in list(inst.users):
+                if user not in plans:
+                    user.replace_operand(inst, acc)
+            if comp.root is inst:
+                comp.root = acc
 
     concats = []
     for inst in order:
         outside = [u for u in inst.users if u not in plans]
-        if (not outside and comp.root is not inst) or plans[inst].replicable:
+        if (not outside and comp.root is not inst) or plans[inst].replicable \
+                or plans[inst].partial is not None:
             continue
         cat = Instruction(f"{inst.name}.concat", "concatenate", inst.shape, chunks[id(inst)],
                           {"dimensions": _attrs.format_int_list([plans[inst].out_dim])})
@@ -186,4 +277,5 @@ def split_instructions(comp, plans: dict[Instruction, SplitPlan], n: int,
             comp.remove_instruction(inst)
     comp.set_order(comp.post_order())
     return SplitResult(chunks={i.name: [c.name for c in chunks[id(i)]] for i in order},
-                       slices=[s.name for s in slices.values()], concats=concats)
+                       slices=[s.name for s in slices.values()], concats=concats,
+                       barriers=[b.name for b in isolated], sums=sums)

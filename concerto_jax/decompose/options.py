@@ -72,6 +72,18 @@ class DecomposeOptions:
     # ("estimate": a memory pass each) or nothing ("zero": XLA fuses them into the
     # neighbouring kernels). Measured in WORKSPACE_NOTES (Issue #11, fused costs).
     split_copies: str = "estimate"
+    # Chunk k >= 1 reads every operand from outside its context through its own chain of
+    # k opt-barriers (hlo_passes.decompose_rewrite.split_instructions): without them XLA's
+    # GPU pipeline fuses the chunks back together (sibling multi-output fusion, dot
+    # merger: they share weights and norms) and the merged kernel waits for every chunk's
+    # collective. Measured in WORKSPACE_NOTES (Issue #11, session 5).
+    isolate_chunks: bool = True
+    # Region strategy (concerto_jax.decompose.region): split the largest region that holds
+    # critical collectives into this many chunks (micro-batches of the whole step sharing
+    # the weights, weight gradients summed) instead of per-collective contexts. None: off.
+    region_degree: int | None = None
+    # Relative tolerance declared when a region has partial members (sums reassociated).
+    region_tolerance: float = 1e-3
 
     def __post_init__(self):
         if self.criticality not in ("schedule", "psi"):
@@ -80,5 +92,7 @@ class DecomposeOptions:
             raise ValueError(f"judge_rounds must be >= 0, got {self.judge_rounds}")
         if self.split_copies not in ("zero", "estimate"):
             raise ValueError(f"split_copies must be 'zero' or 'estimate', got {self.split_copies!r}")
+        if self.region_degree is not None and self.region_degree < 2:
+            raise ValueError(f"region_degree must be >= 2 or None, got {self.region_degree}")
         if self.fused_unmapped not in ("zero", "estimate"):
             raise ValueError(f"fused_unmapped must be 'zero' or 'estimate', got {self.fused_unmapped!r}")

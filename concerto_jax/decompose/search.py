@@ -197,10 +197,12 @@ def find_candidates(module, cost_model, calibration: Calibration,
 
 
 def apply(module, chosen: list[Candidate], contexts: dict,
-          chunks_of: dict[str, str] | None = None) -> list[dict]:
+          chunks_of: dict[str, str] | None = None, isolate: bool = False) -> list[dict]:
     """Rewrite ``module`` in place by the chosen strategies (contexts found on ``module``
     or on a module with the same instruction names); with ``chunks_of``, record there
-    each chunk's name -> the name of the instruction it is a chunk of."""
+    each chunk's name -> the name of the instruction it is a chunk of. ``isolate``: see
+    ``split_instructions`` (chunks read their outside operands through their own
+    opt-barriers, so that XLA cannot fuse the chunks back together)."""
     next_id = [max_channel_id(module)]
 
     def fresh() -> int:
@@ -212,14 +214,14 @@ def apply(module, chosen: list[Candidate], contexts: dict,
         ctx = contexts[c.key]
         comp = module.computation(c.computation)
         plans = {comp.instruction(i.name): p for i, p in ctx.plans.items()}
-        res = split_instructions(comp, plans, c.n, fresh)
+        res = split_instructions(comp, plans, c.n, fresh, isolate=isolate)
         if chunks_of is not None:
             for orig, names in res.chunks.items():
                 chunks_of.update(dict.fromkeys(names, chunks_of.get(orig, orig)))
         done.append({"collective": c.collective, "computation": c.computation, "axis": c.axis,
                      "n": c.n, "sides": c.variant, "predicted_gain_us": round(c.gain_us, 2),
                      "members": len(ctx.plans), "slices": len(res.slices),
-                     "concats": len(res.concats)})
+                     "concats": len(res.concats), "barriers": len(res.barriers)})
     return done
 
 
@@ -289,7 +291,7 @@ def joint_revise(module, found: Found, chosen: list[Candidate], cost_model,
         trial = _copy(module)
         entry_choice = [c for c in choice if c.computation == module.entry.name]
         chunks_of: dict[str, str] = {}
-        apply(trial, entry_choice, found.contexts, chunks_of)
+        apply(trial, entry_choice, found.contexts, chunks_of, isolate=options.isolate_chunks)
         durations = None if fused is None else trial_durations(trial, fused, chunks_of, cost_model,
                                                                options.split_copies)
         return simulated_step_us(trial, cost_model, calibration.overlap_slowdown, judge,

@@ -62,6 +62,8 @@ def decompose_pass(module, options) -> PassOutcome:
         calibration = dataclasses.replace(
             calibration, overlap_slowdown=cost_model.options.overlap_slowdown)
     sched_opts = getattr(options, "scheduler", None)
+    if dopts.region_degree is not None:
+        return _region_split(module, options, dopts)
     fused, fused_stats = None, None
     if dopts.fused_reference is not None:
         try:
@@ -87,7 +89,7 @@ def decompose_pass(module, options) -> PassOutcome:
     for cand in chosen:
         ctx = found.contexts[cand.key]
         try:
-            decomposed.extend(apply(module, [cand], found.contexts))
+            decomposed.extend(apply(module, [cand], found.contexts, isolate=dopts.isolate_chunks))
         except HloError as err:
             dropped.append(f"{cand.collective} axis {cand.axis} N={cand.n}: {err}")
             continue
@@ -119,3 +121,70 @@ def decompose_pass(module, options) -> PassOutcome:
     }
     log.info("decompose pass: %s", stats)
     return PassOutcome(changed=bool(decomposed), stats=stats, tolerance=tolerance)
+
+
+def _region_split(module, options, dopts: DecomposeOptions) -> PassOutcome:
+    """The region strategy (``concerto_jax.decompose.region``): split the largest region.
+
+    Seeds: every synchronous array collective of the entry computation, along every axis
+    its rule splits; a collective already inside a region found along the same axis is
+    not seeded again (its region is the same). The region holding the most collectives
+    (then the most members) whose split dimensions divide by ``region_degree`` is split.
+    """
+    from concerto_jax.decompose import rules
+    from concerto_jax.decompose.region import build_region
+    from hlo_passes.decompose_rewrite import max_channel_id, split_instructions
+
+    n = dopts.region_degree
+    comp = module.entry
+    best, tried, covered = None, 0, set()
+    for coll in list(comp.instructions):
+        if not coll.is_collective or coll.async_role is not None or not coll.shape.is_array:
+            continue
+        for axis in rules.axis_map(coll):
+            if (coll.name, axis) in covered:
+                continue
+            region = build_region(coll, axis)
+            tried += 1
+            if region is None or not region.divisible_by(n):
+                continue
+            for inst, plan in region.plans.items():
+                if inst.is_collective and plan.partial is None:
+                    covered.add((inst.name, plan.out_dim))
+            key = (region.collectives(), len(region.plans))
+            if best is None or key > best[0]:
+                best = (key, region)
+    stats = {"target": options.target, "strategy": "region", "degree": n, "regions_tried": tried}
+    if best is None:
+        stats["decomposed"] = []
+        log.info("decompose (region): no region divides by %d", n)
+        return PassOutcome(changed=False, stats=stats, tolerance=0.0)
+    region = best[1]
+    next_id = [max_channel_id(module)]
+
+    def fresh() -> int:
+        next_id[0] += 1
+        return next_id[0]
+
+    try:
+        res = split_instructions(comp, region.plans, n, fresh, isolate=dopts.isolate_chunks)
+    except HloError as err:
+        warnings.warn(f"decompose: the region split of {region.collective.name} could not be "
+                      f"proven safe ({err}); the module is left as it was", DecomposeWarning,
+                      stacklevel=2)
+        stats["dropped"] = [str(err)]
+        return PassOutcome(changed=False, stats=stats, tolerance=0.0)
+    blocked = any(i.opcode in _BLOCKED_OPS for i in region.plans)
+    tolerance = dopts.region_tolerance if region.partial else (dopts.split_tolerance if blocked else 0.0)
+    stats.update({
+        "decomposed": [{"collective": region.collective.name, "computation": comp.name,
+                        "axis": region.axis, "n": n, "sides": "region",
+                        "members": len(region.plans), "collectives": region.collectives(),
+                        "partial": len(region.partial), "sources": len(region.sources),
+                        "slices": len(res.slices), "concats": len(res.concats),
+                        "sums": len(res.sums), "barriers": len(res.barriers),
+                        "predicted_gain_us": None}],
+        "tolerance": tolerance,
+    })
+    log.info("decompose (region): %s", stats)
+    return PassOutcome(changed=True, stats=stats, tolerance=tolerance)

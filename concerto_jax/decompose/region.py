@@ -1,0 +1,188 @@
+"""Region split: one collective's decomposition context grown to everything that depends on its axis.
+
+A per-collective context (``context.py``) stops where a member is used
+outside it, so in a train step (every forward activation is read again by
+the backward pass) it stays small and pays a concatenation per boundary. The
+*region* of a critical collective ``D`` along axis ``a`` (a batch or
+sequence axis) is the largest set of instructions that split with it:
+
+1. **Sources**: walk backwards from ``D`` along ``a`` through the rules of
+   ``rules.py`` until an instruction cannot produce the split (a parameter,
+   a gather, an opcode without a rule); each such (instruction, dim) is a
+   source, sliced once per chunk.
+2. **Forward propagation**, in program order: an instruction with an operand
+   in the region joins when its rule maps every split operand's dimension to
+   one output dimension (the other operands are used whole, or sliced where
+   the rule cuts them too). An instruction whose rule would *contract* the
+   split dimension instead (a dot contracting it: a weight gradient; a
+   reduce over it with ``add`` from 0, ``maximum`` or ``minimum``: a loss)
+   joins as a **partial** member: each chunk computes the whole output over
+   its slice and the chunks are summed (combined by the reducer). Anything
+   else stays outside and reads a concatenation of the chunks.
+
+The rewrite (``hlo_passes.decompose_rewrite.split_instructions``) then makes
+``N`` copies of the region: ``N`` micro-batches of the whole step that share
+the weights (each chunk reads them through its own ``opt-barrier`` chain so
+that XLA cannot fuse the chunks back together), with the weight gradients
+summed. Partial sums reassociate: a region with a partial member is declared
+with a tolerance. Measured gains and costs: WORKSPACE_NOTES, Issue #11
+(session 5).
+
+References: Concerto (ASPLOS'25) §5.1 (decomposition context, BFS both ways);
+the grouping of a step into independent micro-batches whose communication
+overlaps the other's computation is the idea of DeepSpeed Domino (2024).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from concerto_jax.decompose import rules
+from concerto_jax.decompose.context import _NEVER
+from hlo_passes.decompose_rewrite import SplitPlan
+
+_PARTIAL_REDUCERS = {"add": "add", "maximum": "maximum", "minimum": "minimum"}
+
+
+@dataclasses.dataclass
+class Region:
+    """The region of one collective along one axis.
+
+    Attributes:
+      collective: the seed collective.
+      axis: its output dimension that is split.
+      plans: member -> SplitPlan (``partial`` set on partial members).
+      sources: (instruction, dim) pairs sliced per chunk.
+      partial: names of the partial members (their chunks are summed).
+    """
+
+    collective: object
+    axis: int
+    plans: dict = dataclasses.field(default_factory=dict)
+    sources: list = dataclasses.field(default_factory=list)
+    partial: list = dataclasses.field(default_factory=list)
+
+    def divisible_by(self, n: int) -> bool:
+        """Every split dimension (members, sliced operands, sources) divides by ``n``."""
+        for inst, plan in self.plans.items():
+            if plan.partial is None and inst.shape.dims[plan.out_dim] % n:
+                return False
+            for op, d in zip(inst.operands, plan.operand_dims, strict=True):
+                if d is not None and op.shape.dims[d] % n:
+                    return False
+        return True
+
+    def collectives(self) -> int:
+        return sum(1 for i in self.plans if i.is_collective)
+
+
+def _joinable(inst, comp) -> bool:
+    return (inst.parent is comp and inst.opcode not in _NEVER and inst.shape.is_array
+            and not inst.shape.dynamic and not inst.control_predecessors
+            and not any(inst in u.control_predecessors for u in inst.users))
+
+
+def _sources(coll, axis: int, comp) -> list[tuple[object, int]]:
+    """Backward walk from ``coll`` along ``axis``: the instructions where the split starts."""
+    seen: set = set()
+    out: list[tuple[object, int]] = []
+    stack = [(coll, axis)]
+    while stack:
+        inst, dim = stack.pop()
+        if (id(inst), dim) in seen:
+            continue
+        seen.add((id(inst), dim))
+        m = rules.axis_map(inst) if _joinable(inst, comp) else {}
+        if dim not in m or (inst.opcode in ("broadcast", "iota") and all(d is None for d in m[dim])):
+            if inst.opcode not in ("broadcast", "iota", "constant"):
+                out.append((inst, dim))
+            continue
+        stack.extend((op, d) for op, d in zip(inst.operands, m[dim], strict=True) if d is not None)
+    return out
+
+
+def _reducer(inst) -> str | None:
+    comp = inst.to_apply
+    if comp is None or comp.root is None:
+        return None
+    return _PARTIAL_REDUCERS.get(comp.root.opcode)
+
+
+def _partial_plan(inst, avail: dict) -> SplitPlan | None:
+    """The plan of ``inst`` as a partial member, or None (see the module docstring)."""
+    split = {i: avail[op] for i, op in enumerate(inst.operands) if op in avail}
+    if inst.opcode == "dot":
+        from hlo_passes import attributes as _attrs
+
+        lc = _attrs.parse_int_list(inst.attr("lhs_contracting_dims", "{}"))
+        rc = _attrs.parse_int_list(inst.attr("rhs_contracting_dims", "{}"))
+        if len(inst.operands) != 2 or not lc:
+            return None
+        pair = None
+        for a, b in zip(lc, rc, strict=True):
+            if split.get(0) == a or split.get(1) == b:
+                pair = (a, b)
+        if pair is None:
+            return None
+        dims = (pair[0], pair[1])
+        if any(split.get(i) is not None and split[i] != dims[i] for i in (0, 1)):
+            return None
+        return SplitPlan(0, dims, partial="add")
+    if inst.opcode == "reduce" and len(inst.operands) == 2 and 0 in split and 1 not in split:
+        d = split[0]
+        if d not in (inst.dimensions or []):
+            return None
+        red = _reducer(inst)
+        init = inst.operands[1]
+        if red is None or (red == "add" and not (init.opcode == "constant" and _is_zero(init))):
+            return None
+        return SplitPlan(0, (d, None), partial=red)
+    return None
+
+
+def _is_zero(const) -> bool:
+    lit = (const.literal or "").strip().strip("{}").strip()
+    try:
+        return float(lit) == 0.0
+    except ValueError:
+        return False
+
+
+def build_region(coll, axis: int) -> Region | None:
+    """The region of collective ``coll`` along its output dimension ``axis`` (module docstring).
+
+    Returns:
+      The region, or None when ``coll`` does not split along ``axis``.
+    """
+    comp = coll.parent
+    if axis not in rules.axis_map(coll):
+        return None
+    region = Region(coll, axis)
+    region.sources = _sources(coll, axis, comp)
+    avail: dict = {}  # instruction -> the dimension its chunks split (sources and members)
+    for src, d in region.sources:
+        avail[src] = d
+    source_set = {id(s) for s, _ in region.sources}
+    for inst in comp.post_order():
+        if id(inst) in source_set or not _joinable(inst, comp):
+            continue
+        split_ops = [(i, avail[op]) for i, op in enumerate(inst.operands) if op in avail]
+        if not split_ops:
+            continue
+        plan = None
+        for out, dims in rules.axis_map(inst).items():
+            if all(dims[i] == d for i, d in split_ops):
+                plan = SplitPlan(out, dims)
+                break
+        if plan is None:
+            plan = _partial_plan(inst, avail)
+            if plan is None:
+                continue  # outside: reads a concatenation
+            region.partial.append(inst.name)
+        else:
+            avail[inst] = plan.out_dim
+        region.plans[inst] = plan
+    if coll not in region.plans:
+        return None
+    # Sources are sliced by the rewrite (outside operands with a dimension): drop them from avail.
+    return region
