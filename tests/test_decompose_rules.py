@@ -193,7 +193,7 @@ def _run(text, inputs):
     return [np.asarray(a) for per_out in res for a in per_out]
 
 
-def _chunked(text: str, seed: str, axis: int, n: int):
+def _chunked(text: str, seed: str, axis: int, n: int, isolate: bool = False):
     module = hlo_passes.parse_module(text)
     inst = module.entry.instruction(seed)
     ctx = build_context(inst, axis, lambda i: 0.0)
@@ -205,7 +205,7 @@ def _chunked(text: str, seed: str, axis: int, n: int):
         next_id[0] += 1
         return next_id[0]
 
-    split_instructions(module.entry, ctx.plans, n, fresh)
+    split_instructions(module.entry, ctx.plans, n, fresh, isolate=isolate)
     hlo_passes.verify(module)
     out = hlo_passes.module_to_text(module)
     hlo_passes.xla_parse(out)  # XLA's own parser accepts the rewritten module
@@ -224,7 +224,9 @@ def test_rule_split_matches_original(case):
     tried = 0
     for axis in axes:
         for n in (2, 4):
-            new_text, ctx = _chunked(text, seed, axis, n)
+            # N=4 with the chunks isolated (opt-barrier copies of outside operands): the
+            # barriers must not change a single bit either
+            new_text, ctx = _chunked(text, seed, axis, n, isolate=n == 4)
             if new_text is None:
                 continue
             tried += 1
