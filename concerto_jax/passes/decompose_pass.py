@@ -123,21 +123,15 @@ def decompose_pass(module, options) -> PassOutcome:
     return PassOutcome(changed=bool(decomposed), stats=stats, tolerance=tolerance)
 
 
-def _region_split(module, options, dopts: DecomposeOptions) -> PassOutcome:
-    """The region strategy (``concerto_jax.decompose.region``): split the largest region.
-
-    Seeds: every synchronous array collective of the entry computation, along every axis
-    its rule splits; a collective already inside a region found along the same axis is
-    not seeded again (its region is the same). The region holding the most collectives
-    (then the most members) whose split dimensions divide by ``region_degree`` is split.
-    """
+def _best_region(comp, n: int):
+    """The region of ``comp`` holding the most collectives (then the most members) whose split
+    dimensions divide by ``n``; None when there is none. Seeds: every synchronous array
+    collective along every axis its rule splits; a collective already inside a region found
+    along the same axis is not seeded again (its region is the same)."""
     from concerto_jax.decompose import rules
     from concerto_jax.decompose.region import build_region
-    from hlo_passes.decompose_rewrite import max_channel_id, split_instructions
 
-    n = dopts.region_degree
-    comp = module.entry
-    best, tried, covered = None, 0, set()
+    best, covered = None, set()
     for coll in list(comp.instructions):
         if not coll.is_collective or coll.async_role is not None or not coll.shape.is_array:
             continue
@@ -145,7 +139,6 @@ def _region_split(module, options, dopts: DecomposeOptions) -> PassOutcome:
             if (coll.name, axis) in covered:
                 continue
             region = build_region(coll, axis)
-            tried += 1
             if region is None or not region.divisible_by(n):
                 continue
             for inst, plan in region.plans.items():
@@ -154,37 +147,49 @@ def _region_split(module, options, dopts: DecomposeOptions) -> PassOutcome:
             key = (region.collectives(), len(region.plans))
             if best is None or key > best[0]:
                 best = (key, region)
-    stats = {"target": options.target, "strategy": "region", "degree": n, "regions_tried": tried}
-    if best is None:
-        stats["decomposed"] = []
-        log.info("decompose (region): no region divides by %d", n)
-        return PassOutcome(changed=False, stats=stats, tolerance=0.0)
-    region = best[1]
+    return None if best is None else best[1]
+
+
+def _region_split(module, options, dopts: DecomposeOptions) -> PassOutcome:
+    """The region strategy (``concerto_jax.decompose.region``): in the entry computation and
+    (with ``loop_bodies``) every while body, the largest region (``_best_region``) is split
+    into ``region_degree`` chunks. A region whose rewrite fails is left as it was, with one
+    warning."""
+    from concerto_jax.decompose.search import computations_to_search
+    from hlo_passes.decompose_rewrite import max_channel_id, split_instructions
+
+    n = dopts.region_degree
     next_id = [max_channel_id(module)]
 
     def fresh() -> int:
         next_id[0] += 1
         return next_id[0]
 
-    try:
-        res = split_instructions(comp, region.plans, n, fresh, isolate=dopts.isolate_chunks)
-    except HloError as err:
-        warnings.warn(f"decompose: the region split of {region.collective.name} could not be "
-                      f"proven safe ({err}); the module is left as it was", DecomposeWarning,
-                      stacklevel=2)
-        stats["dropped"] = [str(err)]
-        return PassOutcome(changed=False, stats=stats, tolerance=0.0)
-    blocked = any(i.opcode in _BLOCKED_OPS for i in region.plans)
-    tolerance = dopts.region_tolerance if region.partial else (dopts.split_tolerance if blocked else 0.0)
-    stats.update({
-        "decomposed": [{"collective": region.collective.name, "computation": comp.name,
-                        "axis": region.axis, "n": n, "sides": "region",
-                        "members": len(region.plans), "collectives": region.collectives(),
-                        "partial": len(region.partial), "sources": len(region.sources),
-                        "slices": len(res.slices), "concats": len(res.concats),
-                        "sums": len(res.sums), "barriers": len(res.barriers),
-                        "predicted_gain_us": None}],
-        "tolerance": tolerance,
-    })
+    decomposed, dropped, tolerance = [], [], 0.0
+    for comp in computations_to_search(module, dopts):
+        region = _best_region(comp, n)
+        if region is None:
+            continue
+        try:
+            res = split_instructions(comp, region.plans, n, fresh, isolate=dopts.isolate_chunks)
+        except HloError as err:
+            dropped.append(f"region of {region.collective.name} in {comp.name}: {err}")
+            continue
+        blocked = any(i.opcode in _BLOCKED_OPS for i in region.plans)
+        tolerance = max(tolerance, dopts.region_tolerance if region.partial
+                        else (dopts.split_tolerance if blocked else 0.0))
+        decomposed.append({"collective": region.collective.name, "computation": comp.name,
+                           "axis": region.axis, "n": n, "sides": "region",
+                           "members": len(region.plans), "collectives": region.collectives(),
+                           "partial": len(region.partial), "sources": len(region.sources),
+                           "slices": len(res.slices), "concats": len(res.concats),
+                           "sums": len(res.sums), "barriers": len(res.barriers),
+                           "predicted_gain_us": None})
+    if dropped:
+        warnings.warn(f"decompose: {len(dropped)} region splits dropped (the rewrite could not be "
+                      f"proven safe); the rest of the module is optimised. First: {dropped[0]}",
+                      DecomposeWarning, stacklevel=2)
+    stats = {"target": options.target, "strategy": "region", "degree": n,
+             "decomposed": decomposed, "dropped": dropped, "tolerance": tolerance}
     log.info("decompose (region): %s", stats)
-    return PassOutcome(changed=True, stats=stats, tolerance=tolerance)
+    return PassOutcome(changed=bool(decomposed), stats=stats, tolerance=tolerance)
