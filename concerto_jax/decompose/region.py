@@ -76,6 +76,69 @@ class Region:
         return sum(1 for i in self.plans if i.is_collective)
 
 
+@dataclasses.dataclass(frozen=True)
+class RegionScore:
+    """A region's case for a split into ``n`` (cost-model µs, one step).
+
+    Attributes:
+      comm_us: time of the region's collectives: the communication that chunk ``k`` can
+        overlap with another chunk's compute once split.
+      overhead_us: the memory passes the split adds: every partial member's ``n - 1``
+        additions (read two, write one output each, at the accumulation width), every
+        sliced outside operand (read once, written once in slices), every
+        concatenation for users outside.
+      score_us: ``comm_us - overhead_us``.
+    """
+
+    comm_us: float
+    overhead_us: float
+
+    @property
+    def score_us(self) -> float:
+        return self.comm_us - self.overhead_us
+
+
+def score_region(region: Region, n: int, cost_model, num_devices: int) -> RegionScore:
+    """Score a region for the choice between regions (``decompose_pass._best_region``).
+
+    A region along a hidden (model) axis splits weights and turns the contractions over
+    that axis into partial sums of activation-sized outputs; a batch region's partial
+    members are the weight gradients. This score prefers the region whose collectives
+    are worth the most communication per byte of summing, slicing and concatenating.
+    """
+    from concerto_jax.hlo_taskgraph import _groups
+
+    bw = cost_model.gpu.hbm_bytes_per_s / 1e6  # bytes per µs
+    comm = 0.0
+    for inst, plan in region.plans.items():
+        if inst.is_collective and plan.partial is None:
+            nbytes = sum(o.shape.byte_size for o in inst.operands)
+            if inst.opcode == "all-gather":
+                nbytes = inst.shape.byte_size
+            comm += cost_model.collective(inst.opcode, nbytes, _groups(inst, num_devices)).time_us
+    moved = 0.0
+    sliced: set = set()
+    for inst, plan in region.plans.items():
+        if plan.partial is not None:
+            width = 4 if inst.shape.dtype in ("bf16", "f16") and inst.opcode == "dot" else None
+            size = (inst.shape.byte_size // max(1, _itemsize(inst.shape.dtype)) * width
+                    if width else inst.shape.byte_size)
+            moved += 3 * size * (n - 1)
+        for op, d in zip(inst.operands, plan.operand_dims, strict=True):
+            if d is not None and op not in region.plans and id(op) not in sliced:
+                sliced.add(id(op))
+                moved += 2 * op.shape.byte_size
+        if plan.partial is None and not plan.replicable and any(
+                u not in region.plans for u in inst.users):
+            moved += 2 * inst.shape.byte_size
+    return RegionScore(comm, moved / bw)
+
+
+def _itemsize(dtype: str) -> int:
+    return {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2,
+            "s16": 2, "u16": 2}.get(dtype, 1)
+
+
 def _joinable(inst, comp) -> bool:
     return (inst.parent is comp and inst.opcode not in _NEVER and inst.shape.is_array
             and not inst.shape.dynamic and not inst.control_predecessors

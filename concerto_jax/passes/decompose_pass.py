@@ -123,13 +123,14 @@ def decompose_pass(module, options) -> PassOutcome:
     return PassOutcome(changed=bool(decomposed), stats=stats, tolerance=tolerance)
 
 
-def _best_region(comp, n: int):
-    """The region of ``comp`` holding the most collectives (then the most members) whose split
-    dimensions divide by ``n``; None when there is none. Seeds: every synchronous array
-    collective along every axis its rule splits; a collective already inside a region found
-    along the same axis is not seeded again (its region is the same)."""
+def _best_region(comp, n: int, cost_model, num_devices: int):
+    """The region of ``comp`` with the best ``region.score_region`` among those whose split
+    dimensions divide by ``n`` and whose score is positive; ``(region, score)`` or None.
+    Seeds: every synchronous array collective along every axis its rule splits; a
+    collective already inside a region found along the same axis is not seeded again (its
+    region is the same)."""
     from concerto_jax.decompose import rules
-    from concerto_jax.decompose.region import build_region
+    from concerto_jax.decompose.region import build_region, score_region
 
     best, covered = None, set()
     for coll in list(comp.instructions):
@@ -144,15 +145,15 @@ def _best_region(comp, n: int):
             for inst, plan in region.plans.items():
                 if inst.is_collective and plan.partial is None:
                     covered.add((inst.name, plan.out_dim))
-            key = (region.collectives(), len(region.plans))
-            if best is None or key > best[0]:
-                best = (key, region)
-    return None if best is None else best[1]
+            score = score_region(region, n, cost_model, num_devices)
+            if score.score_us > 0 and (best is None or score.score_us > best[1].score_us):
+                best = (region, score)
+    return best
 
 
 def _region_split(module, options, dopts: DecomposeOptions) -> PassOutcome:
     """The region strategy (``concerto_jax.decompose.region``): in the entry computation and
-    (with ``loop_bodies``) every while body, the largest region (``_best_region``) is split
+    (with ``loop_bodies``) every while body, the best region (``_best_region``) is split
     into ``region_degree`` chunks. A region whose rewrite fails is left as it was, with one
     warning."""
     from concerto_jax.decompose.search import computations_to_search
@@ -166,10 +167,12 @@ def _region_split(module, options, dopts: DecomposeOptions) -> PassOutcome:
         return next_id[0]
 
     decomposed, dropped, tolerance = [], [], 0.0
+    cost_model = CostModel(get_cluster(options.target))
     for comp in computations_to_search(module, dopts):
-        region = _best_region(comp, n)
-        if region is None:
+        found = _best_region(comp, n, cost_model, module.num_devices)
+        if found is None:
             continue
+        region, score = found
         try:
             res = split_instructions(comp, region.plans, n, fresh, isolate=dopts.isolate_chunks)
         except HloError as err:
@@ -184,6 +187,8 @@ def _region_split(module, options, dopts: DecomposeOptions) -> PassOutcome:
                            "partial": len(region.partial), "sources": len(region.sources),
                            "slices": len(res.slices), "concats": len(res.concats),
                            "sums": len(res.sums), "barriers": len(res.barriers),
+                           "comm_us": round(score.comm_us, 1),
+                           "overhead_us": round(score.overhead_us, 1),
                            "predicted_gain_us": None})
     if dropped:
         warnings.warn(f"decompose: {len(dropped)} region splits dropped (the rewrite could not be "
