@@ -62,7 +62,7 @@ def _options(reference):
     # No memory limit: the pair is about compute costs, not the memory rule.
     return concerto_jax.Options(passes=("decompose",), target="h100_sxm_8",
                                 scheduler=scheduler.ScheduleOptions(memory_limit_bytes=1 << 40),
-                                decompose=DecomposeOptions(fused_reference=reference))
+                                decompose=DecomposeOptions(fused_reference=reference, region_degree=None))
 
 
 def test_fused_reference_makes_the_hidden_all_reduce_critical():
@@ -87,7 +87,7 @@ def test_trial_durations_cost_chunks_by_their_original_ratio():
     fc = fused_costs(module, xla_text(), cm, unmapped="zero")
     # t and t2 share one loop kernel: each costs about half its unfused estimate
     assert 0.3 < fc.ratio("t") < 0.7 and 0.3 < fc.ratio("t2") < 0.7
-    dopts = DecomposeOptions(fused_reference=xla_text())
+    dopts = DecomposeOptions(fused_reference=xla_text(), region_degree=None)
     found = find_candidates(module, cm, Calibration(1.1, 0.0, "test"), dopts,
                             scheduler.ScheduleOptions(memory_limit_bytes=1 << 40), fused=fc)
     cand = next(c for c in found.candidates if c.n == 2 and "t" in {i.name for i in

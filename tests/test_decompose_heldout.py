@@ -158,19 +158,30 @@ def test_heldout_transformer_three_steps(layout):
                 for d in rec.stats["decomposed"]), rec.stats["decomposed"]
 
 
-def test_heldout_defaults():
-    """TP with the pass's defaults: it judges every collective by the simulated schedule and
-    keeps only what the joint stage confirms; whatever it decided, 3 steps match plain jit and
-    the first-step check ran within the tolerance the pass declared."""
+@pytest.mark.parametrize("strategy", ["default", "contexts"])
+def test_heldout_defaults(strategy):
+    """TP with the pass's defaults: the region strategy (the whole step as 2 micro-batches
+    sharing the weights) where a region scores positive; with ``region_degree=None`` the
+    contexts, each collective judged by the simulated schedule and kept only if the joint
+    stage confirms it. Whatever it decided, 3 steps match plain jit and the first-step check
+    ran within the tolerance the pass declared."""
     step, state, batches = _setup("tp")
     fast = concerto_jax.scheduler.ScheduleOptions(full_model_max_tasks=0, odd_even=None)
+    dopts = DecomposeOptions() if strategy == "default" else DecomposeOptions(region_degree=None)
     opt = concerto_jax.optimize(step, concerto_jax.Options(passes=("decompose", "schedule"),
-                                                           fallback=False, scheduler=fast))
+                                                           fallback=False, scheduler=fast,
+                                                           decompose=dopts))
     _assert_steps_close(step, opt, state, batches)
     report = opt.report()
     assert report.optimized, report.fallback_reason
     stats = {p.name: p for p in report.passes}["decompose"].stats
-    assert stats["criticality"] == "schedule" and stats["collectives"] > 0
-    assert len(stats["most_exposed"]) == min(10, stats["critical"])  # 9 of 9 critical (18:10 UTC)
+    if strategy == "default":
+        assert stats["strategy"] == "region" and stats["degree"] == 2, stats
+        (d,) = stats["decomposed"]  # one computation (the entry), one region
+        assert d["comm_us"] > d["overhead_us"] and d["partial"] >= 1, d
+    else:
+        assert stats["strategy"] == "contexts" and "region" not in stats
+        assert stats["criticality"] == "schedule" and stats["collectives"] > 0
+        assert len(stats["most_exposed"]) == min(10, stats["critical"])  # 9 of 9 critical (18:10 UTC)
     if report.executable == "recompiled":
         assert report.first_step_check.startswith("ran: outputs equal"), report.first_step_check

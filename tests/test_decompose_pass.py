@@ -125,7 +125,7 @@ def test_joint_revision_drops_a_split_the_simulated_schedule_rejects(tmp_path):
     cal = tmp_path / "cal.json"
     cal.write_text(json.dumps({"overlap_slowdown": 1.0, "chunk_overhead": 0.0, "source": "test",
                                "platform": "gpu"}))
-    opts = Options(target="h100_sxm_8", decompose=DecomposeOptions(calibration_path=os.fspath(cal)))
+    opts = Options(target="h100_sxm_8", decompose=DecomposeOptions(calibration_path=os.fspath(cal), region_degree=None))
     outcome = decompose_pass(module, opts)
     s = outcome.stats
     assert s["critical"] >= 1 and s["candidates"] >= 1
@@ -173,7 +173,7 @@ def _found(text: str, criticality: str):
     cm = CostModel(get_cluster("h100_sxm_8"))
     cal = Calibration(1.2, 0.0, "test")
     return find_candidates(hlo_passes.parse_module(text), cm, cal,
-                           DecomposeOptions(criticality=criticality))
+                           DecomposeOptions(criticality=criticality, region_degree=None))
 
 
 def test_schedule_criticality_finds_what_the_sum_rule_misses():

@@ -244,7 +244,7 @@ def test_decompose_judges_the_tiny_mlp_with_fused_costs(mlp_compile):
     stats = {}
     for ref in (None, xla_text):
         opts = concerto_jax.Options(passes=("decompose",), target="h100_sxm_8",
-                                    decompose=DecomposeOptions(fused_reference=ref))
+                                    decompose=DecomposeOptions(fused_reference=ref, region_degree=None))
         stats[ref is not None] = decompose_pass(parse_module(pre_text), opts).stats
     fused, plain = stats[True], stats[False]
     assert fused["costs"] == "fused" and plain["costs"] == "unfused"

@@ -78,10 +78,12 @@ class DecomposeOptions:
     # merger: they share weights and norms) and the merged kernel waits for every chunk's
     # collective. Measured in WORKSPACE_NOTES (Issue #11, session 5).
     isolate_chunks: bool = True
-    # Region strategy (concerto_jax.decompose.region): split the largest region that holds
-    # critical collectives into this many chunks (micro-batches of the whole step sharing
-    # the weights, weight gradients summed) instead of per-collective contexts. None: off.
-    region_degree: int | None = None
+    # Region strategy (concerto_jax.decompose.region), tried first: in every computation, the
+    # best-scoring region of a collective is split into this many chunks (micro-batches of
+    # the whole step sharing the weights, weight gradients summed). Where no computation has
+    # a region with a positive score, the per-collective contexts are searched instead.
+    # None: contexts only. Ignored with force_degree (tests of the contexts).
+    region_degree: int | None = 2
     # Relative tolerance declared when a region has partial members (sums reassociated).
     region_tolerance: float = 1e-3
 

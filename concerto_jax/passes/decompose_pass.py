@@ -1,13 +1,22 @@
 """The ``decompose`` pass: split the computation around critical collectives (Concerto ASPLOS'25 §5).
 
-Finds the collectives that independent work cannot hide, grows each one's
+Two strategies. **Regions** first (``DecomposeOptions.region_degree``, default 2;
+``concerto_jax.decompose.region``): in each computation the best-scoring region
+of a collective (everything that splits with it along one axis, the whole
+forward and backward pass for a batch axis) becomes ``N`` micro-batches that
+share the weights, each reading them through its own opt-barriers so that XLA
+cannot fuse the chunks back together; weight gradients and losses are summed
+(declared tolerance ``region_tolerance``, 1e-3). Where no computation has a
+region with a positive score, the per-collective **contexts** below.
+
+Contexts: finds the collectives that independent work cannot hide, grows each one's
 decomposition context along every axis the SPMD rules allow, predicts the
 gain of each degree, chooses by CP-SAT, revises the choice by scheduling and
 simulating the rewritten module (``DecomposeOptions.joint``), and rewrites
 the module (``hlo_passes.decompose_rewrite``). Run it before ``schedule``,
 which then places the chunks' collectives against each other's compute.
 
-Every split the rules allow keeps each output element's arithmetic (no sum is
+Every context split the rules allow keeps each output element's arithmetic (no sum is
 reassociated). Results are bitwise equal except where a dot or convolution is
 split: XLA:CPU may then block the chunk's GEMM differently (observed max
 relative difference 4e-5). The pass declares ``DecomposeOptions.split_tolerance``
@@ -62,8 +71,12 @@ def decompose_pass(module, options) -> PassOutcome:
         calibration = dataclasses.replace(
             calibration, overlap_slowdown=cost_model.options.overlap_slowdown)
     sched_opts = getattr(options, "scheduler", None)
-    if dopts.region_degree is not None:
-        return _region_split(module, options, dopts)
+    region_stats = None
+    if dopts.region_degree is not None and dopts.force_degree is None:
+        outcome = _region_split(module, options, dopts)
+        if outcome.changed:
+            return outcome
+        region_stats = outcome.stats
     fused, fused_stats = None, None
     if dopts.fused_reference is not None:
         try:
@@ -119,6 +132,9 @@ def decompose_pass(module, options) -> PassOutcome:
         "tolerance": tolerance,
         **joint_stats,
     }
+    if region_stats is not None:
+        stats["region"] = {k: v for k, v in region_stats.items() if k != "target"}
+    stats["strategy"] = "contexts"
     log.info("decompose pass: %s", stats)
     return PassOutcome(changed=bool(decomposed), stats=stats, tolerance=tolerance)
 
