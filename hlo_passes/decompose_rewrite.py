@@ -106,7 +106,7 @@ ADJUST: dict[str, Callable[[dict, Instruction, SplitPlan, int], None]] = {
 _SHARED_OK = frozenset({"constant", "iota"})
 """Outside operands chunks may share (XLA folds or regenerates them inside each kernel)."""
 
-_CLONED = frozenset({"broadcast", "convert", "reshape", "bitcast", "copy", "transpose", "negate",
+_CLONED = frozenset({"broadcast", "reshape", "bitcast", "copy", "transpose", "negate",
                      "reduce-precision"})
 """Cheap one-pass producers XLA fuses into their consumers: cloned per chunk, not barriered."""
 

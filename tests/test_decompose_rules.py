@@ -98,6 +98,18 @@ CASES = {
   %ad = f32[8,4]{1,0} add(%ds, %p1)
   %i2 = s32[] constant(9)
   ROOT %dus = f32[8,16]{1,0} dynamic-update-slice(%p0, %ad, %i0, %i2)""", "f32[8,16]", "ad"),
+    "gather_rows": (  # an embedding lookup: indices computed from p1, rows of p0
+        "p0: f32[16,32], p1: f32[8,4]",
+        """  %p0 = f32[16,32]{1,0} parameter(0)
+  %p1 = f32[8,4]{1,0} parameter(1)
+  %ab = f32[8,4]{1,0} abs(%p1)
+  %k = f32[] constant(5)
+  %kb = f32[8,4]{1,0} broadcast(%k), dimensions={}
+  %sc = f32[8,4]{1,0} multiply(%ab, %kb)
+  %ii = s32[8,4]{1,0} convert(%sc)
+  %i3 = s32[8,4,1]{2,1,0} reshape(%ii)
+  %g = f32[8,4,32]{2,1,0} gather(%p0, %i3), offset_dims={2}, collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=2, slice_sizes={1,32}
+  ROOT %t = f32[8,4,32]{2,1,0} tanh(%g)""", "f32[8,4,32]", "g"),
     "iota_softmax": (
         "p0: f32[8,16]",
         """  %p0 = f32[8,16]{1,0} parameter(0)

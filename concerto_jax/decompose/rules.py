@@ -217,6 +217,22 @@ def _collective_permute(inst) -> AxisMap:
     return {d: (d,) for d in range(_rank(inst))}
 
 
+def _gather(inst) -> AxisMap:
+    """The batch dimensions of the output (those not in ``offset_dims``) split with the
+    indices' dimensions (all but ``index_vector_dim``, in order); the operand is read whole.
+    Gathers with operand/indices batching dimensions are not split."""
+    if len(inst.operands) != 2 or inst.attr("operand_batching_dims") is not None:
+        return {}
+    offset = set(_attrs.parse_int_list(inst.attr("offset_dims", "{}")))
+    ivd = _attrs.parse_int(inst.attr("index_vector_dim", "0"))
+    indices = inst.operands[1]
+    idx_dims = [d for d in range(_rank(indices)) if d != ivd]
+    out_batch = [d for d in range(_rank(inst)) if d not in offset]
+    if len(out_batch) != len(idx_dims):
+        return {}
+    return {o: (None, i) for o, i in zip(out_batch, idx_dims, strict=True)}
+
+
 def _no_split(inst) -> AxisMap:
     return {}
 
@@ -241,11 +257,12 @@ RULES: dict[str, RuleFn] = {
     "reduce-scatter": _gather_like,
     "all-to-all": _gather_like,
     "collective-permute": _collective_permute,
+    "gather": _gather,
 }
 """Decomposition rule per opcode; ``DEFAULT_RULE`` for every other opcode."""
 
 DEFAULT_RULE: RuleFn = _no_split
-"""Opcodes without a rule (gather, scatter, sort, custom-call, rng, tuple, while, ...) do not split."""
+"""Opcodes without a rule (scatter, sort, custom-call, rng, tuple, while, ...) do not split."""
 
 
 def axis_map(inst) -> AxisMap:
