@@ -54,9 +54,9 @@ def main(argv=None) -> int:
                    help="only the task-graph columns (one stock compile per case, no final module)")
     d.add_argument("--split-copies", choices=("estimate", "zero"), default="estimate",
                    help="DecomposeOptions.split_copies (cost of the slices/concats a split adds)")
-    d.add_argument("--region", type=int, default=None, metavar="N",
-                   help="DecomposeOptions.region_degree: split the largest region into N "
-                        "micro-batches instead of per-collective contexts")
+    d.add_argument("--region", type=int, default=2, metavar="N",
+                   help="DecomposeOptions.region_degree (default 2): split the best region into "
+                        "N micro-batches; 0: per-collective contexts only (region_degree=None)")
     dc = sub.add_parser("decompose-calibrate",
                         help="measure the decomposition's chunk overhead and overlap slowdown (CPU)")
     dc.add_argument("--repeats", type=int, default=15)
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
         prefix = args.prefix or ("decompose_quick" if args.quick or args.case else "decompose")
         rows = decompose_bench.run(suite.select_cases(args.case, args.quick), args.out, prefix,
                                    final_module=not args.taskgraph_only,
-                                   split_copies=args.split_copies, region_degree=args.region)
+                                   split_copies=args.split_copies, region_degree=args.region or None)
         with open(os.path.join(args.out, f"{prefix}.md")) as f:
             sys.stdout.write(f.read())
         return 0 if all(not str(r["status"]).startswith("error") for r in rows) else 1

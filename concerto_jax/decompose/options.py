@@ -72,12 +72,15 @@ class DecomposeOptions:
     # ("estimate": a memory pass each) or nothing ("zero": XLA fuses them into the
     # neighbouring kernels). Measured in WORKSPACE_NOTES (Issue #11, fused costs).
     split_copies: str = "estimate"
-    # Chunk k >= 1 reads every operand from outside its context through its own chain of
-    # k opt-barriers (hlo_passes.decompose_rewrite.split_instructions): without them XLA's
-    # GPU pipeline fuses the chunks back together (sibling multi-output fusion, dot
-    # merger: they share weights and norms) and the merged kernel waits for every chunk's
-    # collective. Measured in WORKSPACE_NOTES (Issue #11, session 5).
-    isolate_chunks: bool = True
+    # Which splits isolate their chunks: chunk k >= 1 reads every operand from outside its
+    # context through its own chain of k opt-barriers (split_instructions(isolate=True));
+    # without them XLA's GPU pipeline fuses the chunks back together (sibling multi-output
+    # fusion, dot merger: they share weights and norms) and the merged kernel waits for
+    # every chunk's collective. "regions" (default): region splits only; "all": contexts
+    # too; "none". Measured (WORKSPACE_NOTES, Issue #11, session 5): a region split of
+    # gpt_tp8_nvlink is 10,306.2 us without, 8,379.0 with; the context split kept on
+    # gpt_dp2_tp8_2hosts 7,024.7 without, 7,170.8 with.
+    isolate_chunks: str = "regions"
     # Region strategy (concerto_jax.decompose.region), tried first: in every computation, the
     # best-scoring region of a collective is split into this many chunks (micro-batches of
     # the whole step sharing the weights, weight gradients summed). Where no computation has
@@ -94,6 +97,8 @@ class DecomposeOptions:
             raise ValueError(f"judge_rounds must be >= 0, got {self.judge_rounds}")
         if self.split_copies not in ("zero", "estimate"):
             raise ValueError(f"split_copies must be 'zero' or 'estimate', got {self.split_copies!r}")
+        if self.isolate_chunks not in ("regions", "all", "none"):
+            raise ValueError(f"isolate_chunks must be 'regions', 'all' or 'none', got {self.isolate_chunks!r}")
         if self.region_degree is not None and self.region_degree < 2:
             raise ValueError(f"region_degree must be >= 2 or None, got {self.region_degree}")
         if self.fused_unmapped not in ("zero", "estimate"):

@@ -291,7 +291,7 @@ def joint_revise(module, found: Found, chosen: list[Candidate], cost_model,
         trial = _copy(module)
         entry_choice = [c for c in choice if c.computation == module.entry.name]
         chunks_of: dict[str, str] = {}
-        apply(trial, entry_choice, found.contexts, chunks_of, isolate=options.isolate_chunks)
+        apply(trial, entry_choice, found.contexts, chunks_of, isolate=options.isolate_chunks == "all")
         durations = None if fused is None else trial_durations(trial, fused, chunks_of, cost_model,
                                                                options.split_copies)
         return simulated_step_us(trial, cost_model, calibration.overlap_slowdown, judge,

@@ -102,7 +102,7 @@ def decompose_pass(module, options) -> PassOutcome:
     for cand in chosen:
         ctx = found.contexts[cand.key]
         try:
-            decomposed.extend(apply(module, [cand], found.contexts, isolate=dopts.isolate_chunks))
+            decomposed.extend(apply(module, [cand], found.contexts, isolate=dopts.isolate_chunks == "all"))
         except HloError as err:
             dropped.append(f"{cand.collective} axis {cand.axis} N={cand.n}: {err}")
             continue
@@ -190,7 +190,7 @@ def _region_split(module, options, dopts: DecomposeOptions) -> PassOutcome:
             continue
         region, score = found
         try:
-            res = split_instructions(comp, region.plans, n, fresh, isolate=dopts.isolate_chunks)
+            res = split_instructions(comp, region.plans, n, fresh, isolate=dopts.isolate_chunks != "none")
         except HloError as err:
             dropped.append(f"region of {region.collective.name} in {comp.name}: {err}")
             continue
