@@ -81,6 +81,29 @@ def _partial_shape(inst: Instruction) -> Shape:
     return inst.shape
 
 
+def _wide_reduce(inst: Instruction, plan: SplitPlan) -> bool:
+    """A partial ``add`` reduce in half precision (its chunks sum in f32)."""
+    return (inst.opcode == "reduce" and plan.partial == "add" and inst.shape.dtype in _WIDE
+            and inst.shape.is_array)
+
+
+def _wide_adder(module, dtype: str):
+    """The module's scalar ``dtype`` add computation (created once)."""
+    from hlo_passes.computation import Computation
+
+    name = f"concerto_add_{dtype}"
+    for comp in module.computations:
+        if comp.name == name:
+            return comp
+    scalar = Shape(dtype, [])
+    a = Instruction("lhs", "parameter", scalar, [], {}, parameter_number=0)
+    b = Instruction("rhs", "parameter", scalar, [], {}, parameter_number=1)
+    root = Instruction("sum", "add", scalar, [a, b], {})
+    comp = Computation(name, [a, b, root], root=root)
+    module.add_computation(comp)
+    return comp
+
+
 def _adjust_slice(attrs: dict, inst: Instruction, plan: SplitPlan, n: int) -> None:
     raw = attrs["slice"].strip()[1:-1]
     parts = [p.strip() for p in _attrs.split_top_level(raw)]
@@ -232,6 +255,16 @@ def split_instructions(comp, plans: dict[Instruction, SplitPlan], n: int,
                 shape = _chunk_shape(inst.shape, plan.out_dim, n)
             else:
                 shape = _partial_shape(inst)
+                if _wide_reduce(inst, plan):
+                    # a half-precision sum: each chunk sums in f32 (the original's backends
+                    # accumulate in f32 and round once; chunks rounded to bf16 and added would
+                    # round twice, and a bias gradient that nearly cancels would lose digits)
+                    wide = _WIDE[inst.shape.dtype]
+                    ops = [add(Instruction(f"{o.name}.{wide}", "convert",
+                                           Shape(wide, list(o.shape.dims), o.shape.layout), [o], {}),
+                               inst) for o in ops]
+                    attrs["to_apply"] = _wide_adder(module, wide)
+                    shape = Shape(wide, list(inst.shape.dims), inst.shape.layout)
             new = Instruction(f"{inst.name}.chunk{k}", inst.opcode, shape, ops, attrs,
                               literal=inst.literal)
             if inst.channel_id is not None:
