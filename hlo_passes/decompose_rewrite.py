@@ -140,7 +140,8 @@ def max_channel_id(module) -> int:
 
 
 def split_instructions(comp, plans: dict[Instruction, SplitPlan], n: int,
-                       next_channel_id: Callable[[], int], isolate: bool = False) -> SplitResult:
+                       next_channel_id: Callable[[], int], isolate: bool = False,
+                       wide_partials: bool = False) -> SplitResult:
     """Replace the planned instructions of ``comp`` by ``n`` chunks each (see the module docstring).
 
     Args:
@@ -156,6 +157,10 @@ def split_instructions(comp, plans: dict[Instruction, SplitPlan], n: int,
         operand, so XLA would fuse chunk ``k`` with chunk ``k+1`` back into one kernel that
         waits for both chunks' collectives, and the split would overlap nothing. An
         ``opt-barrier`` is a no-op at run time (its result aliases its operand).
+      wide_partials: a half-precision partial ``add`` reduce sums each chunk in f32 (its
+        operand converted, a scalar f32 add computation) and rounds once after the chunks
+        are added; otherwise each chunk rounds to the reduce's type before the addition.
+        Half-precision partial dots always accumulate in f32.
 
     Returns:
       The names of the chunks, slices and concatenations added.
@@ -255,7 +260,7 @@ def split_instructions(comp, plans: dict[Instruction, SplitPlan], n: int,
                 shape = _chunk_shape(inst.shape, plan.out_dim, n)
             else:
                 shape = _partial_shape(inst)
-                if _wide_reduce(inst, plan):
+                if wide_partials and _wide_reduce(inst, plan):
                     # a half-precision sum: each chunk sums in f32 (the original's backends
                     # accumulate in f32 and round once; chunks rounded to bf16 and added would
                     # round twice, and a bias gradient that nearly cancels would lose digits)

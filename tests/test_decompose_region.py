@@ -135,10 +135,9 @@ def test_region_heldout_three_steps(layout):
 
 
 def test_half_precision_partials_accumulate_in_f32():
-    """bf16 partial members: the weight-gradient dot's chunks output f32 and the sum's chunks
-    reduce in f32 (a new scalar f32 add computation); one convert back to bf16 each. The
-    stock bf16 step rounds its bias-gradient sums in bf16; so the split is closer to an f32
-    reference than stock is, and not bitwise equal to stock (WORKSPACE_NOTES, session 5)."""
+    """bf16 partial members: the weight-gradient dot's chunks output f32; with
+    ``wide_partials`` the sum's chunks also reduce in f32 (a new scalar f32 add computation);
+    one convert back to bf16 each (WORKSPACE_NOTES, session 5)."""
     text = (_TEXT.replace("f32[8,16]", "bf16[8,16]").replace("f32[16,4]", "bf16[16,4]")
             .replace("f32[8,4]", "bf16[8,4]").replace("%loss = f32[]", "%loss = bf16[]")
             .replace("%zero = f32[]", "%zero = bf16[]").replace("-> (bf16[16,4], f32[],", "-> (bf16[16,4], bf16[],")
@@ -155,7 +154,12 @@ ENTRY %main""").replace("%loss = bf16[] reduce(%y, %zero), dimensions={0,1}, to_
     region = build_region(module.entry.instruction("ar"), 0)
     assert sorted(region.partial) == ["gw", "loss"]
     ids = iter(range(max_channel_id(module) + 1, 100))
-    res = split_instructions(module.entry, region.plans, 2, lambda: next(ids), isolate=True)
+    plain = hlo_passes.parse_module(text)
+    plain_region = build_region(plain.entry.instruction("ar"), 0)
+    split_instructions(plain.entry, plain_region.plans, 2, lambda: next(ids), isolate=True)
+    assert not any(c.name.startswith("concerto_add") for c in plain.computations)  # default: bf16
+    res = split_instructions(module.entry, region.plans, 2, lambda: next(ids), isolate=True,
+                             wide_partials=True)
     hlo_passes.verify(module)
     hlo_passes.xla_parse(hlo_passes.module_to_text(module))
     entry = module.entry

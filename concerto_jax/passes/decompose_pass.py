@@ -190,7 +190,8 @@ def _region_split(module, options, dopts: DecomposeOptions) -> PassOutcome:
             continue
         region, score = found
         try:
-            res = split_instructions(comp, region.plans, n, fresh, isolate=dopts.isolate_chunks != "none")
+            res = split_instructions(comp, region.plans, n, fresh, isolate=dopts.isolate_chunks != "none",
+                                     wide_partials=dopts.wide_partials)
         except HloError as err:
             dropped.append(f"region of {region.collective.name} in {comp.name}: {err}")
             continue
