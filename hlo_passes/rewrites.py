@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from hlo_passes.collective_fusion import cross_replica_variadic_all_reduces
 from hlo_passes.ir import HloModule, Instruction
 from hlo_passes.shapes import Shape
 
@@ -43,13 +42,21 @@ def spmd_to_replicated(module: HloModule) -> int:
     * collectives in cross-partition mode (``channel_id`` without
       ``use_global_device_ids``: all-to-all, collective-permute, ...) lose their
       channel id, so their partition-id groups become the same replica-id groups;
-    * collectives with ``use_global_device_ids=true`` (flattened ids) are kept: with
-      one replica, flattened ids are partition ids, with one partition replica ids;
+    * collectives with ``use_global_device_ids=true`` (flattened ids) keep their groups
+      and lose the channel id and the flag: with one replica, flattened ids are
+      partition ids, with one partition replica ids, so the cross-replica form means the
+      same. Outside SPMD mode XLA counts a collective with a channel id as side-effecting
+      (``HloInstruction::HasSideEffectNoRecurse``), which the jitted (SPMD) program's
+      collectives are not, and its passes then treat the program differently: e.g. the
+      while-loop simplifier keeps a trip-count-1 loop whose body has one (it inlines it
+      in the jitted program), and the scanned Evoformer x DAP step came out 1 ulp apart;
     * cross-replica-and-partition ones (a channel, the flag false) become one group
       of all replicas; cross-replica ones (no channel; one replica) become singletons;
+      so no collective keeps a channel id (which also keeps XLA's non-SPMD layout
+      assignment from tying all-reduces of one channel together, see
+      :func:`unique_all_reduce_channels`, and from failing on tuple all-reduces with a
+      channel, see ``collective_fusion.cross_replica_variadic_all_reduces``);
     * the header says ``num_partitions=1, replica_count=N``;
-    * all-reduces that share a channel id get one each
-      (:func:`unique_all_reduce_channels`);
     * mesh-form replica groups (``mesh[...] {...}``) are written in list form: XLA's
       HLO -> StableHLO -> compile path runs some of them wrongly (checked with jax
       0.10.2: a scan's all-gather over ``mesh['axis_0'=1,'axis_1'=8] {'axis_1'}``
@@ -78,6 +85,10 @@ def spmd_to_replicated(module: HloModule) -> int:
         if kind in ("send", "recv"):
             raise ValueError(f"%{inst.name}: send/recv cannot be rewritten to replicas")
         if target.use_global_device_ids:
+            if target.channel_id is not None:
+                target.channel_id = None
+                target.use_global_device_ids = False
+                changed += 1
             continue
         if target.channel_id is None:
             if "replica_groups" in target.attrs:
@@ -88,10 +99,8 @@ def spmd_to_replicated(module: HloModule) -> int:
         if kind in _HAS_GLOBAL_FLAG:
             target.replica_groups = []
         changed += 1
-    changed += unique_all_reduce_channels(module)
     module.num_partitions = 1
     module.replica_count = num_devices
-    changed += cross_replica_variadic_all_reduces(module)  # fused (tuple) all-reduces
     return changed
 
 

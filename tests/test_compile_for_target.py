@@ -174,16 +174,37 @@ def test_step_times_count_collectives_inside_loops():
 
 
 @needs_plugin
-def test_rewrite_guard_keeps_the_faster_of_rewritten_and_plain_plans():
+def test_rewrite_guard_keeps_the_faster_of_rewritten_and_plain_plans(monkeypatch):
     # decompose forced to split every collective it can (force_degree): the guard compares the
     # plan on XLA's scheduled module of the split program with the plan without the split and
     # compiles the faster one; the decision, the figures and the handed module must agree.
+    from concerto_jax.costmodel import CostModel, get_cluster
     from concerto_jax.decompose.options import DecomposeOptions
+    from concerto_jax.target import fidelity
 
+    judged_texts = []
+    judge = fidelity.judge_module
+
+    def counting_judge(text, cost_model):
+        judged_texts.append(text)
+        return judge(text, cost_model)
+
+    monkeypatch.setattr(fidelity, "judge_module", counting_judge)
     step, args = _mlp()
     opts = concerto_jax.Options(passes=("decompose", "schedule"), fallback=False,
                                 decompose=DecomposeOptions(force_degree=2))
     res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=opts)
+    # The kept plan is simulated once (by the guard; measure reuses it), and the reported
+    # figures are those of a fresh measure of the same modules.
+    assert judged_texts.count(res.emitted_text) == 1, len(judged_texts)
+    fresh = judge(res.emitted_text, CostModel(get_cluster("h100_sxm_8")))
+    m = fidelity.measure(res.final_text, res.stock_final_text, CostModel(get_cluster("h100_sxm_8")),
+                         planned_text=res.emitted_text)
+    assert (res.planned_step_us, res.final_step_us, res.stock_step_us, res.planned_overlap_us,
+            res.final_overlap_us, res.overlap_kept) == (
+        m.planned_step_us, m.final_step_us, m.stock_step_us, m.planned_overlap_us, m.final_overlap_us,
+        m.overlap_kept)
+    assert res.planned_step_us == round(fresh.us, 1)
     assert res.fallback_reason is None and res.via == "backend_only"
     dec = next(p for p in res.passes if p.name == "decompose")
     guard = dec.stats["final_module_guard"]

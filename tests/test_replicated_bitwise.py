@@ -5,7 +5,8 @@ Two ways the HLO -> StableHLO -> HLO compile path used to break that:
 * shard_map ``psum`` over a pytree: the partitioner gives all its all-reduces one
   channel id; XLA's layout assignment outside SPMD mode forces one layout per
   channel and rejects operands of different ranks
-  (``hlo_passes.rewrites.unique_all_reduce_channels``);
+  (``hlo_passes.rewrites.unique_all_reduce_channels``; since session 5 the replicated
+  program carries no channel ids at all, see ``spmd_to_replicated``);
 * a softmax on a 2-D mesh: MLIR canonicalisation in the StableHLO -> HLO step
   folds the partitioner's reshape/broadcast chain, so XLA:CPU no longer turns
   ``e / broadcast(sum)`` into ``e * broadcast(1 / sum)`` as it does for the jitted
@@ -58,9 +59,41 @@ def test_shard_map_psum_of_mixed_ranks_compiles_and_matches():
     captured, emitted = opt.hlo_texts()
     # The premise: the partitioner shares one channel between the psum's all-reduces.
     assert captured.count("all-reduce(") >= 2 and "channel_id=1," in captured
-    ids = [int(i) for i in re.findall(r"all-reduce\([^\n]*channel_id=(\d+)", emitted)]
-    assert len(ids) == len(set(ids))
+    # No all-reduce of the replicated program keeps a channel (so none can share one).
+    assert not re.findall(r"all-reduce\([^\n]*channel_id=", emitted)
     assert_tree_bitwise(out, step(a, b, x))
+
+
+def test_trip_count_one_scan_with_collectives_is_inlined_as_in_the_jitted_program():
+    # A one-layer scan whose body all-reduces (flattened ids). XLA inlines a trip-count-1 while
+    # unless its body has a side effect, and outside SPMD mode a collective with a channel id
+    # counts as one: the replicated program must carry no channel ids (spmd_to_replicated), or
+    # XLA optimises it differently from the jitted program (the scanned Evoformer x DAP step
+    # differed by an ulp that way).
+    from concerto_jax import executor
+
+    mesh = _mesh((8,), ("x",))
+
+    def loss(ws, x):
+        def layer(h, w):
+            return jnp.tanh(h @ w), None
+        h, _ = jax.lax.scan(layer, x, ws)
+        return (h * h).sum()
+
+    step = jax.jit(jax.value_and_grad(loss))
+    rng = np.random.default_rng(0)
+    ws = jax.device_put(jnp.asarray(rng.standard_normal((1, 64, 64)) * 0.1, jnp.float32),
+                        NamedSharding(mesh, P(None, "x")))
+    x = jax.device_put(jnp.asarray(rng.standard_normal((16, 64)), jnp.float32), NamedSharding(mesh, P()))
+    opt, out = _optimized(step, ws, x)
+    captured, emitted = opt.hlo_texts()
+    # The premise: a while loop with a flattened-id all-reduce, which the jitted program inlines.
+    assert " while(" in captured and "use_global_device_ids=true" in captured
+    assert " while(" not in step.lower(ws, x).compile().as_text()
+    assert "channel_id=" not in emitted and "use_global_device_ids" not in emitted
+    exe, _ = executor.compile_replicated(emitted, jax.devices()[:8])
+    assert " while(" not in exe.hlo_modules()[0].to_string()
+    assert_tree_bitwise(out, step(ws, x))
 
 
 def test_softmax_on_2d_mesh_matches_bitwise():

@@ -176,7 +176,8 @@ def _entry_sim(text: str, cost_model, judged: Judged):
     return built, opts, simulate(built.graph, built.events, opts), module.entry.name
 
 
-def measure(final_text: str, stock_text: str, cost_model, planned_text: str | None = None) -> Fidelity:
+def measure(final_text: str, stock_text: str, cost_model, planned_text: str | None = None,
+            planned_judged: Judged | None = None) -> Fidelity:
     """Planned, final and stock step times and the overlap kept (see the module docstring).
 
     Every computation is simulated (``judge_module``): a while loop costs trips x (body +
@@ -193,12 +194,22 @@ def measure(final_text: str, stock_text: str, cost_model, planned_text: str | No
         plan is the final module's entry with every collective's window as early/as late as
         ``planned_events`` allows, nested computations as in the final module (pins cover
         the entry only).
+      planned_judged: ``judge_module(planned_text, cost_model)`` when the caller already has
+        it (compile_for_target's rewrite guard judges the plan it keeps); used instead of
+        simulating ``planned_text`` again. Only with ``planned_text``.
+
+    Raises:
+      ValueError: ``planned_judged`` without ``planned_text``.
     """
     from concerto_jax.simulator import simulate
 
+    if planned_judged is not None and planned_text is None:
+        raise ValueError("planned_judged needs the planned_text it was judged from")
     final = judge_module(final_text, cost_model)
     stock = judge_module(stock_text, cost_model)
-    if planned_text is not None:
+    if planned_judged is not None:
+        planned = planned_judged
+    elif planned_text is not None:
         planned = judge_module(planned_text, cost_model)
     else:
         built, opts, _, entry = _entry_sim(final_text, cost_model, final)

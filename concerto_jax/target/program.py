@@ -277,7 +277,8 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
         out = dict(final=stock_text, emitted=None, scheduled=None, passes=(), pins=0, via="stock",
                    fallback_reason=reason)
     t0 = time.perf_counter()
-    m = measure(out["final"], stock_text, cost_model, planned_text=out.get("planned"))
+    m = measure(out["final"], stock_text, cost_model, planned_text=out.get("planned"),
+                planned_judged=out.get("planned_judged"))
     seconds["simulate"] = time.perf_counter() - t0
     return TargetResult(
         target=target, final_text=out["final"], stock_final_text=stock_text,
@@ -303,7 +304,9 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
     than the plan on XLA's scheduled module of the original step (both judged by
     ``fidelity.judge_module``, the figure ``planned_step_us`` reports; the backend keeps the
     plan, so this is also the final module's figure). Otherwise the rewrite is dropped: the
-    rewriting passes' records get ``changed=False`` and a ``final_module_guard`` entry.
+    rewriting passes' records get ``changed=False`` and a ``final_module_guard`` entry. The
+    kept plan's ``Judged`` is returned as ``planned_judged`` (None when the guard did not run)
+    for ``fidelity.measure``, which then does not simulate the plan a second time.
     """
     from concerto_jax import pipeline
     from concerto_jax.executor import replicated_compile_options
@@ -320,6 +323,7 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
     stock_compile_options = compile_options = pjrt_c.spmd_compile_options(
         len(devices), env, device_ids=[d.id for d in devices])
     rewritten = False
+    planned_judged = None
     if rewriting:
         t0 = time.perf_counter()
         pre_opts = _with_fused_reference(dataclasses.replace(options, passes=rewriting), scheduled_src)
@@ -343,9 +347,12 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
     if rewritten and guard_rewrites and stock_src is not None:
         t0 = time.perf_counter()
         plain = _plan_on(stock_src, options, cost_model, {})
-        rewritten_us = judge_module(plan["handed"], cost_model).us
-        plain_us = judge_module(plain["handed"], cost_model).us
+        rewritten_judged = judge_module(plan["handed"], cost_model)
+        plain_judged = judge_module(plain["handed"], cost_model)
+        rewritten_us, plain_us = rewritten_judged.us, plain_judged.us
         keep = rewritten_us < plain_us
+        # The kept plan's figures, handed to fidelity.measure so that it does not simulate it again.
+        planned_judged = rewritten_judged if keep else plain_judged
         guard = {"rewritten_planned_us": round(rewritten_us, 1), "without_rewrite_planned_us": round(plain_us, 1),
                  "kept": keep}
         seconds["rewrite_guard"] = time.perf_counter() - t0
@@ -365,8 +372,8 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
     final = pjrt_c.compile_hlo(handed, cluster, compile_options, backend_only=True)
     seconds["compile"] = time.perf_counter() - t0
     _dump(options.dump_dir, "final.hlo", final)
-    return dict(final=final, planned=handed, emitted=handed, scheduled=handed, passes=records, pins=0,
-                via="backend_only", **plan["memory"])
+    return dict(final=final, planned=handed, planned_judged=planned_judged, emitted=handed,
+                scheduled=handed, passes=records, pins=0, via="backend_only", **plan["memory"])
 
 
 def _plan_on(scheduled_src: str, options, cost_model, seconds: dict) -> dict:
