@@ -115,7 +115,9 @@ CASES = [("gpt", "dp_tp")] + ([("vit", "dp"), ("evoformer", "dap")] if FULL_SWEE
 
 @pytest.mark.parametrize(("model", "layout"), CASES, ids=[f"{m}-{lay}" for m, lay in CASES])
 def test_every_accepted_pass_runs_on_models(model, layout):
-    """All accepted names in one pipeline, no fallback, bitwise over two steps."""
+    """All accepted names in one pipeline, no fallback, over two steps: bitwise, or within the
+    tolerance the passes declare (decompose's region split sums weight gradients per chunk:
+    1e-3), checked against the bitwise run of every other pass too."""
     if (model, layout) not in models.list_cases():
         pytest.skip(f"{model}/{layout} is not a registered case")
     case = models.make_case(model, layout, "tiny")
@@ -124,10 +126,17 @@ def test_every_accepted_pass_runs_on_models(model, layout):
     names = pipeline.pass_names()
     step = concerto_jax.optimize(case.step, concerto_jax.Options(
         passes=names, compiler_options={**FAST, **NO_COMBINER}, fallback=False))
-    run_bitwise_steps(reference, step, case, 2)
+    step(case.init_state(0), case.batch)  # first call: the pipeline runs, the report exists
+    declared = max(p.tolerance for p in step.report().passes)
+    run_bitwise_steps(reference, step, case, 2, tolerance=declared)
     report = step.report()
     assert report.optimized, report.fallback_reason
     assert [p.name for p in report.passes] == list(names)
+    assert all(p.tolerance == 0 for p in report.passes if p.name != "decompose"), report.passes
+    without = concerto_jax.optimize(case.step, concerto_jax.Options(
+        passes=tuple(n for n in names if n != "decompose"), compiler_options={**FAST, **NO_COMBINER},
+        fallback=False))
+    run_bitwise_steps(reference, without, case, 2)
     for p in report.passes:  # passes that reorder or regroup report their peak and limit
         if p.name in ("schedule", "fuse_collectives"):
             assert p.stats["peak_bytes"] <= p.stats["memory_limit_bytes"], (p.name, p.stats)
