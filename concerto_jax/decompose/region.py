@@ -36,6 +36,7 @@ overlaps the other's computation is the idea of DeepSpeed Domino (2024).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from concerto_jax.decompose import rules
 from concerto_jax.decompose.context import _NEVER
@@ -120,9 +121,9 @@ def score_region(region: Region, n: int, cost_model, num_devices: int) -> Region
     sliced: set = set()
     for inst, plan in region.plans.items():
         if plan.partial is not None:
-            width = 4 if inst.shape.dtype in ("bf16", "f16") and inst.opcode == "dot" else None
-            size = (inst.shape.byte_size // max(1, _itemsize(inst.shape.dtype)) * width
-                    if width else inst.shape.byte_size)
+            size = inst.shape.byte_size
+            if inst.opcode == "dot" and inst.shape.dtype in ("bf16", "f16"):
+                size = 4 * math.prod(inst.shape.dims)  # half-precision dots sum in f32
             moved += 3 * size * (n - 1)
         for op, d in zip(inst.operands, plan.operand_dims, strict=True):
             if d is not None and op not in region.plans and id(op) not in sliced:
@@ -132,11 +133,6 @@ def score_region(region: Region, n: int, cost_model, num_devices: int) -> Region
                 u not in region.plans for u in inst.users):
             moved += 2 * inst.shape.byte_size
     return RegionScore(comm, moved / bw)
-
-
-def _itemsize(dtype: str) -> int:
-    return {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2,
-            "s16": 2, "u16": 2}.get(dtype, 1)
 
 
 def _joinable(inst, comp) -> bool:
@@ -276,7 +272,11 @@ def _propagate(coll, axis: int, comp, sources) -> Region:
             continue
         plan = None
         for out, dims in rules.axis_map(inst).items():
-            if all(dims[i] == d for i, d in split_ops):
+            # a partial member's result is whole (the sum of its chunks): read whole only
+            if all(dims[i] == d for i, d in split_ops) and not any(
+                    dims[i] is not None and op in region.plans
+                    and region.plans[op].partial is not None
+                    for i, op in enumerate(inst.operands)):
                 plan = SplitPlan(out, dims)
                 break
         if plan is None:
