@@ -13,7 +13,13 @@ its output:
 * a collective chunk gets a fresh ``channel_id``;
 * a planned instruction used outside the plan (or the root) is rebuilt for
   those users by a ``concatenate`` of its chunks, unless it is *replicable*
-  (a broadcast of unsplit operands, an iota): then they keep the original.
+  (a broadcast of unsplit operands, an iota): then they keep the original;
+* a *partial* instruction (``SplitPlan.partial``: a dot contracting the split
+  dimension, a reduce over it) computes its whole output in each chunk, and the
+  chunks are combined (``add`` / ``maximum`` / ``minimum``) for every user;
+* with ``isolate``, chunk ``k >= 1`` reads operands from outside the plan
+  through its own ``opt-barrier`` chain, so that XLA cannot fuse the chunks
+  back into one kernel.
 
 Attributes that name sizes along the split axis are adjusted by the table
 ``ADJUST`` (opcode -> function), the default keeps them. Chunks are inserted
@@ -202,9 +208,10 @@ def split_instructions(comp, plans: dict[Instruction, SplitPlan], n: int,
         """Chunk ``k``'s copy of outside operand ``op`` (``op`` itself for chunk 0).
 
         A barrier makes XLA materialise its operand, so a cheap producer that XLA would
-        fuse into its consumers (a broadcast, convert, reshape, ...) is cloned for the
-        chunk over chunk ``k``'s copy of its own operands; the barriers go on the values
-        that are materialised anyway (parameters, GEMM results, ...)."""
+        fuse into its consumers (``_CLONED``: a broadcast, reshape, transpose, ...) is cloned
+        for the chunk over chunk ``k``'s copy of its own operands; the barriers go on the
+        values that are materialised anyway (parameters, GEMM results, converted weights:
+        cloning a weight's convert would convert it once per chunk)."""
         if not isolate or k == 0 or op.opcode in _SHARED_OK or not op.shape.is_array \
                 or not op.shape.dims:
             return op
