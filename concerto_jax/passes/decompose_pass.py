@@ -73,7 +73,7 @@ def decompose_pass(module, options) -> PassOutcome:
     sched_opts = getattr(options, "scheduler", None)
     region_stats = None
     if dopts.region_degree is not None and dopts.force_degree is None:
-        outcome = _region_split(module, options, dopts)
+        outcome = _region_split(module, options, dopts, cost_model)
         if outcome.changed:
             return outcome
         region_stats = outcome.stats
@@ -167,7 +167,7 @@ def _best_region(comp, n: int, cost_model, num_devices: int):
     return best
 
 
-def _region_split(module, options, dopts: DecomposeOptions) -> PassOutcome:
+def _region_split(module, options, dopts: DecomposeOptions, cost_model) -> PassOutcome:
     """The region strategy (``concerto_jax.decompose.region``): in the entry computation and
     (with ``loop_bodies``) every while body, the best region (``_best_region``) is split
     into ``region_degree`` chunks. A region whose rewrite fails is left as it was, with one
@@ -183,14 +183,14 @@ def _region_split(module, options, dopts: DecomposeOptions) -> PassOutcome:
         return next_id[0]
 
     decomposed, dropped, tolerance = [], [], 0.0
-    cost_model = CostModel(get_cluster(options.target))
     for comp in computations_to_search(module, dopts):
         found = _best_region(comp, n, cost_model, module.num_devices)
         if found is None:
             continue
         region, score = found
         try:
-            res = split_instructions(comp, region.plans, n, fresh, isolate=dopts.isolate_chunks != "none",
+            res = split_instructions(comp, region.plans, n, fresh,
+                                     isolate=dopts.isolate_chunks != "none",
                                      wide_partials=dopts.wide_partials)
         except HloError as err:
             dropped.append(f"region of {region.collective.name} in {comp.name}: {err}")
