@@ -77,6 +77,24 @@ def test_compile_for_target_falls_back_with_one_warning(monkeypatch):
 
 
 @needs_plugin
+def test_arguments_on_this_machines_devices_get_a_clear_error():
+    """A step jitted over the CPU devices (a user who forgot target_mesh) is refused up front
+    with what to do, not compiled halfway and reported as a fallback."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
+    sh = NamedSharding(mesh, P(None, "tp"))
+    step = jax.jit(lambda x, w: jnp.tanh(x @ w), in_shardings=(NamedSharding(mesh, P()), sh))
+    args = (jax.ShapeDtypeStruct((8, 16), jnp.float32, sharding=NamedSharding(mesh, P())),
+            jax.ShapeDtypeStruct((16, 32), jnp.float32, sharding=sh))
+    with pytest.raises(ValueError, match=r"sharded over cpu devices of this machine.*target_mesh\('h100_sxm_8'"):
+        concerto_jax.compile_for_target(step, *args, target="h100_sxm_8")
+
+
+@needs_plugin
 def test_compile_for_target_backend_only_keeps_our_order(tmp_path):
     """Default path: our scheduler orders XLA's after-LHS module and XLA's backend keeps that order."""
     import hlo_passes

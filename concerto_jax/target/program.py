@@ -234,7 +234,8 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
     Raises:
       GpuPluginMissingError: the CUDA plugin is not installed.
       TypeError: ``step`` is not jitted.
-      ValueError: unknown target or ``via``.
+      ValueError: unknown target or ``via``; a step sharded over this machine's (cpu)
+        devices instead of the target's (``target_mesh``).
     """
     from concerto_jax.capture import jit_info
     from concerto_jax.costmodel import CostModel, get_cluster
@@ -258,6 +259,7 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
     stock = compile_lowered(lowered, cluster, CompileOptions(
         dump_lhs=via == "backend_only", dump_spmd=True, dump_scheduled=via == "backend_only", extra=xla_opts))
     seconds["stock_compile"] = stock.compile_s
+    _check_target_devices(target, _devices_of(stock.compiled))
     if stock.post_spmd_text is None:
         raise RuntimeError("XLA wrote no post-SPMD module for the target compile; is XLA_FLAGS "
                            "overriding --xla_dump_to?")
@@ -289,6 +291,19 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
         fallback_reason=out.get("fallback_reason"), seconds={k: round(v, 2) for k, v in seconds.items()},
         via=out["via"], input_peak_bytes=out.get("input_peak_bytes"), peak_bytes=out.get("peak_bytes"),
         memory_limit_bytes=out.get("memory_limit_bytes"))
+
+
+def _check_target_devices(target: str, devices) -> None:
+    """Raise a ValueError that says what to do when the step is placed on this machine's
+    devices (cpu) instead of the target's deviceless ones (``target_mesh``)."""
+    local = sorted({d.platform for d in devices if d.platform not in ("gpu", "cuda", "rocm")})
+    if local:
+        raise ValueError(
+            f"compile_for_target: the step is sharded over {local[0]} devices of this machine; "
+            f"expected the target's deviceless devices. Build the mesh with "
+            f"concerto_jax.target_mesh({target!r}, mesh_shape, axis_names), jit the step with "
+            "shardings over it, and pass jax.ShapeDtypeStruct(shape, dtype, sharding=...) "
+            "arguments (README: 'Compile for a target GPU cluster')")
 
 
 PLAN_PASSES = frozenset({"schedule", "pin"})
