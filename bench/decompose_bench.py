@@ -156,12 +156,18 @@ def _taskgraph_columns(rec: dict) -> dict:
     entry = next(iter(judged.values()), {})
     base = rec.get("baseline_us", entry.get("step_us"))
     final = rec.get("joint_us", base)
-    row = {"tg_program_us": entry.get("program_order_us", ""), "tg_s_us": base,
-           "tg_sad_us": final, "tg_exposed_us": entry.get("exposed_comm_us", "")}
+    row = {"tg_program_us": entry.get("program_order_us", ""), "tg_s_us": base or "",
+           "tg_sad_us": final or "", "tg_exposed_us": entry.get("exposed_comm_us", "")}
     if base and final:
         row["tg_sad_gain"] = round(base / final, 4)
     fs = rec.get("fused_costs") or {}
-    if rec.get("costs") == "fused":
+    if rec.get("strategy") == "region":
+        # the region split is chosen by its score, not by a task-graph judge; the final
+        # module (compile_for_target's guard) decides whether it is kept
+        row["judge_costs"] = "region strategy: no task-graph judge (score: " + "; ".join(
+            f"comm {d.get('comm_us')} us - overhead {d.get('overhead_us')} us"
+            for d in rec.get("decomposed", [])) + ")"
+    elif rec.get("costs") == "fused":
         row["judge_costs"] = (f"fused: compute {fs.get('fused_total_us')} us (unfused "
                               f"{fs.get('unfused_total_us')}, XLA kernels {fs.get('kernel_us')}; "
                               f"coverage {fs.get('coverage')})")
@@ -187,8 +193,9 @@ def _taskgraph_columns(rec: dict) -> dict:
         # compile_for_target's rewrite guard: the split program's plan on XLA's scheduled module
         # against the plan without it; a dropped split is not in the S+AD column's module.
         verdict = "kept" if guard["kept"] else "DROPPED"
-        row["verdicts"] += (f"; final-module guard: {verdict} ({guard['without_rewrite_planned_us']} us "
-                            f"without -> {guard['rewritten_planned_us']} us with the splits)")
+        row["verdicts"] = "; ".join(filter(None, [
+            row["verdicts"], f"final-module guard: {verdict} ({guard['without_rewrite_planned_us']} us "
+                             f"without -> {guard['rewritten_planned_us']} us with the splits)"]))
     return row
 
 
@@ -278,7 +285,10 @@ def run(cases, out_dir: str = "bench/results", prefix: str = "decompose",
              "(compute costed as in judge_costs: fused = each op's share of the XLA kernel it is "
              "fused into, on the compile_for_target path; unfused = each op alone): program order; the schedule pass's scheduler "
              "(odd-even, 1 round, memory rule) without (tg_s) and with (tg_sad) the chosen "
-             "splits. stock/s/sad: XLA's final module after compile_for_target"
+             "splits; empty for a case split by the region strategy (DecomposeOptions.region_degree, "
+             "chosen by its score; compile_for_target's final-module guard keeps it only if XLA's "
+             "scheduled module of it plans faster: see verdicts). "
+             "stock/s/sad: XLA's final module after compile_for_target"
              + ("" if final_module else " (not run: --taskgraph-only)") + ".\n",
              f"Command: `python -m bench.cli decompose{'' if final_module else ' --taskgraph-only'}"
              f"{'' if split_copies == 'estimate' else ' --split-copies ' + split_copies}"
