@@ -37,7 +37,8 @@ from hlo_passes.errors import HloError
 from hlo_passes.instruction import Instruction
 from hlo_passes.shapes import Shape
 
-__all__ = ["SplitPlan", "SplitResult", "split_instructions", "ADJUST", "max_channel_id"]
+__all__ = ["SplitPlan", "SplitResult", "split_instructions", "ADJUST", "max_channel_id",
+           "plans_divisible_by"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +139,18 @@ _SHARED_OK = frozenset({"constant", "iota"})
 _CLONED = frozenset({"broadcast", "reshape", "bitcast", "copy", "transpose", "negate",
                      "reduce-precision"})
 """Cheap one-pass producers XLA fuses into their consumers: cloned per chunk, not barriered."""
+
+
+def plans_divisible_by(plans: dict[Instruction, SplitPlan], n: int) -> bool:
+    """Every split dimension of ``plans`` (members' outputs but partial ones, and sliced
+    operands) divides by ``n``."""
+    for inst, plan in plans.items():
+        if plan.partial is None and inst.shape.dims[plan.out_dim] % n:
+            return False
+        for op, d in zip(inst.operands, plan.operand_dims, strict=True):
+            if d is not None and op.shape.dims[d] % n:
+                return False
+    return True
 
 
 def max_channel_id(module) -> int:

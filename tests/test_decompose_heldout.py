@@ -134,17 +134,27 @@ def _assert_steps_close(step, opt, state, batches) -> None:
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS) if FULL_SWEEP else sorted(set(LAYOUTS) - {"tp"}))
-def test_heldout_transformer_three_steps(layout):
+def optimised_three_steps(layout: str, decompose: DecomposeOptions):
+    """The held-out step of ``layout`` through ``passes=("decompose", "schedule")`` (no fallback,
+    a fast scheduler), checked close to plain jit over 3 steps (``_assert_steps_close``).
+
+    Returns:
+      ``(optimised step, its report, the decompose pass record)``; the report says optimized.
+    """
     step, state, batches = _setup(layout)
     fast = concerto_jax.scheduler.ScheduleOptions(full_model_max_tasks=0, odd_even=None)
     opts = concerto_jax.Options(passes=("decompose", "schedule"), fallback=False, scheduler=fast,
-                                decompose=DecomposeOptions(force_degree=2))
+                                decompose=decompose)
     opt = concerto_jax.optimize(step, opts)
     _assert_steps_close(step, opt, state, batches)
     report = opt.report()
     assert report.optimized, report.fallback_reason
-    rec = {p.name: p for p in report.passes}["decompose"]
+    return opt, report, {p.name: p for p in report.passes}["decompose"]
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS) if FULL_SWEEP else sorted(set(LAYOUTS) - {"tp"}))
+def test_heldout_transformer_three_steps(layout):
+    _, report, rec = optimised_three_steps(layout, DecomposeOptions(force_degree=2))
     assert rec.changed and rec.stats["decomposed"], rec.stats
     for d in rec.stats["decomposed"]:
         assert {"collective", "axis", "n", "predicted_gain_us"} <= set(d)
@@ -165,16 +175,9 @@ def test_heldout_defaults(strategy):
     contexts, each collective judged by the simulated schedule and kept only if the joint
     stage confirms it. Whatever it decided, 3 steps match plain jit and the first-step check
     ran within the tolerance the pass declared."""
-    step, state, batches = _setup("tp")
-    fast = concerto_jax.scheduler.ScheduleOptions(full_model_max_tasks=0, odd_even=None)
     dopts = DecomposeOptions() if strategy == "default" else DecomposeOptions(region_degree=None)
-    opt = concerto_jax.optimize(step, concerto_jax.Options(passes=("decompose", "schedule"),
-                                                           fallback=False, scheduler=fast,
-                                                           decompose=dopts))
-    _assert_steps_close(step, opt, state, batches)
-    report = opt.report()
-    assert report.optimized, report.fallback_reason
-    stats = {p.name: p for p in report.passes}["decompose"].stats
+    _, report, rec = optimised_three_steps("tp", dopts)
+    stats = rec.stats
     if strategy == "default":
         assert stats["strategy"] == "region" and stats["degree"] == 2, stats
         (d,) = stats["decomposed"]  # one computation (the entry), one region

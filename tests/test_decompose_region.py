@@ -19,7 +19,7 @@ import hlo_passes
 from concerto_jax.decompose import DecomposeOptions
 from concerto_jax.decompose.region import build_region
 from hlo_passes.decompose_rewrite import max_channel_id, split_instructions
-from tests.test_decompose_heldout import _assert_steps_close, _setup
+from tests.test_decompose_heldout import optimised_three_steps
 from tests.test_decompose_rules import _inputs, _run
 
 _TEXT = """HloModule m, replica_count=8
@@ -113,15 +113,7 @@ def test_isolation_clones_cheap_producers():
 
 @pytest.mark.parametrize("layout", ["tp", "dp_tp", "fsdp", "tp_scanned"])
 def test_region_heldout_three_steps(layout):
-    step, state, batches = _setup(layout)
-    fast = concerto_jax.scheduler.ScheduleOptions(full_model_max_tasks=0, odd_even=None)
-    opts = concerto_jax.Options(passes=("decompose", "schedule"), fallback=False, scheduler=fast,
-                                decompose=DecomposeOptions(region_degree=2))
-    opt = concerto_jax.optimize(step, opts)
-    _assert_steps_close(step, opt, state, batches)
-    report = opt.report()
-    assert report.optimized, report.fallback_reason
-    rec = {p.name: p for p in report.passes}["decompose"]
+    opt, report, rec = optimised_three_steps(layout, DecomposeOptions(region_degree=2))
     assert rec.changed, rec.stats
     for d in rec.stats["decomposed"]:
         assert d["sides"] == "region" and d["n"] == 2 and d["collectives"] >= 1

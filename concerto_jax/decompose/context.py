@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable
 
 from concerto_jax.decompose import rules
-from hlo_passes.decompose_rewrite import SplitPlan
+from hlo_passes.decompose_rewrite import SplitPlan, plans_divisible_by
 
 _NEVER = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "while", "call",
                     "conditional", "custom-call", "rng", "rng-bit-generator",
@@ -55,13 +55,7 @@ class Context:
 
     def divisible_by(self, n: int) -> bool:
         """Every split dimension (members and sliced operands) divides by ``n``."""
-        for inst, plan in self.plans.items():
-            if inst.shape.dims[plan.out_dim] % n:
-                return False
-            for op, d in zip(inst.operands, plan.operand_dims, strict=True):
-                if d is not None and op.shape.dims[d] % n:
-                    return False
-        return True
+        return plans_divisible_by(self.plans, n)
 
     def max_degree(self) -> int:
         """The largest split size (an upper bound on useful degrees)."""
@@ -103,6 +97,7 @@ class Context:
 
 def _joinable(inst, comp) -> bool:
     return (inst.parent is comp and inst.opcode not in _NEVER and inst.shape.is_array
+            and not inst.shape.dynamic
             and not inst.control_predecessors
             and not any(inst in u.control_predecessors for u in inst.users))
 

@@ -105,6 +105,13 @@ def _chunk_info(inst, plan, n):
                                operands=tuple(operands))
 
 
+def payload_bytes(coll) -> int:
+    """Bytes a synchronous collective moves per device: its operands, an all-gather's result."""
+    if coll.opcode == "all-gather":
+        return coll.shape.byte_size
+    return sum(o.shape.byte_size for o in coll.operands)
+
+
 def _copy_info(inst, opcode: str):
     """A memory-bound op moving ``inst``'s result once (a slice or concatenate of it)."""
     info = op_info(inst)
@@ -130,10 +137,7 @@ def strategy_cost(ctx, n: int, cost_model, exposed_before_us: float, t_c_us: flo
       copies: factor on the slices' and concatenations' estimate (0: XLA fuses them).
     """
     coll = ctx.collective
-    nbytes = sum(o.shape.byte_size for o in coll.operands)
-    if coll.opcode == "all-gather":
-        nbytes = coll.shape.byte_size
-    t_chunk = cost_model.collective(coll.opcode, nbytes / n, groups).time_us
+    t_chunk = cost_model.collective(coll.opcode, payload_bytes(coll) / n, groups).time_us
     overhead = 0.0
     for inst, plan in ctx.plans.items():
         if inst is coll:

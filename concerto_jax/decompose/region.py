@@ -39,8 +39,8 @@ import dataclasses
 import math
 
 from concerto_jax.decompose import rules
-from concerto_jax.decompose.context import _NEVER
-from hlo_passes.decompose_rewrite import SplitPlan
+from concerto_jax.decompose.context import _joinable
+from hlo_passes.decompose_rewrite import SplitPlan, plans_divisible_by
 
 _PARTIAL_REDUCERS = {"add": "add", "maximum": "maximum", "minimum": "minimum"}
 
@@ -65,13 +65,7 @@ class Region:
 
     def divisible_by(self, n: int) -> bool:
         """Every split dimension (members, sliced operands, sources) divides by ``n``."""
-        for inst, plan in self.plans.items():
-            if plan.partial is None and inst.shape.dims[plan.out_dim] % n:
-                return False
-            for op, d in zip(inst.operands, plan.operand_dims, strict=True):
-                if d is not None and op.shape.dims[d] % n:
-                    return False
-        return True
+        return plans_divisible_by(self.plans, n)
 
     def collectives(self) -> int:
         return sum(1 for i in self.plans if i.is_collective)
@@ -107,16 +101,15 @@ def score_region(region: Region, n: int, cost_model, num_devices: int) -> Region
     members are the weight gradients. This score prefers the region whose collectives
     are worth the most communication per byte of summing, slicing and concatenating.
     """
+    from concerto_jax.decompose.cost import payload_bytes
     from concerto_jax.hlo_taskgraph import _groups
 
     bw = cost_model.gpu.hbm_bytes_per_s / 1e6  # bytes per µs
     comm = 0.0
     for inst, plan in region.plans.items():
         if inst.is_collective and plan.partial is None:
-            nbytes = sum(o.shape.byte_size for o in inst.operands)
-            if inst.opcode == "all-gather":
-                nbytes = inst.shape.byte_size
-            comm += cost_model.collective(inst.opcode, nbytes, _groups(inst, num_devices)).time_us
+            comm += cost_model.collective(inst.opcode, payload_bytes(inst),
+                                          _groups(inst, num_devices)).time_us
     moved = 0.0
     sliced: set = set()
     for inst, plan in region.plans.items():
@@ -133,12 +126,6 @@ def score_region(region: Region, n: int, cost_model, num_devices: int) -> Region
                 u not in region.plans for u in inst.users):
             moved += 2 * inst.shape.byte_size
     return RegionScore(comm, moved / bw)
-
-
-def _joinable(inst, comp) -> bool:
-    return (inst.parent is comp and inst.opcode not in _NEVER and inst.shape.is_array
-            and not inst.shape.dynamic and not inst.control_predecessors
-            and not any(inst in u.control_predecessors for u in inst.users))
 
 
 def _sources(coll, axis: int, comp) -> list[tuple[object, int]]:
@@ -207,18 +194,8 @@ def _is_zero(const) -> bool:
         return False
 
 
-def build_region(coll, axis: int, max_rounds: int = 1) -> Region | None:
+def build_region(coll, axis: int) -> Region | None:
     """The region of collective ``coll`` along its output dimension ``axis`` (module docstring).
-
-    After the forward propagation, an outside operand that members read sliced and that
-    could itself split the same way (its rule maps the dimension, and every user of it is
-    a member reading that slice) is pulled in: the backward walk from it adds its sources
-    and the propagation runs again (at most ``max_rounds`` times). So a second batch
-    input that only meets the region late (a loss's targets, a mask) is split at its
-    source, not computed whole and sliced. Default ``max_rounds=1``: no pull-in. Measured
-    (deviceless, XLA's final module, N=2): pulling in the targets of GPT's loss made
-    gpt_tp8_nvlink 8,379.0 -> 8,430.2 us and gpt_dp2_tp8_2hosts 6,649.5 -> 7,857.3 us
-    (gpt_tp8_pcie_fp32 50,375.1 -> 50,354.1); why is not understood yet.
 
     Returns:
       The region, or None when ``coll`` does not split along ``axis``.
@@ -226,34 +203,8 @@ def build_region(coll, axis: int, max_rounds: int = 1) -> Region | None:
     comp = coll.parent
     if axis not in rules.axis_map(coll):
         return None
-    sources = _sources(coll, axis, comp)
-    for _ in range(max_rounds):
-        region = _propagate(coll, axis, comp, sources)
-        if coll not in region.plans:
-            return None
-        extra = []
-        known = {(id(s), d) for s, d in sources}
-        for inst, plan in region.plans.items():
-            for op, d in zip(inst.operands, plan.operand_dims, strict=True):
-                if (d is None or op in region.plans or (id(op), d) in known
-                        or not _joinable(op, comp) or d not in rules.axis_map(op)
-                        or _replicable(op, d)):
-                    continue
-                if all(u in region.plans and region.plans[u].partial is None
-                       and all(dd == d for o, dd in zip(u.operands, region.plans[u].operand_dims,
-                                                        strict=True) if o is op)
-                       for u in op.users):
-                    extra.extend(x for x in _sources(op, d, comp) if (id(x[0]), x[1]) not in known)
-                    known.add((id(op), d))
-        if not extra:
-            return region
-        sources = sources + list({(id(x[0]), x[1]): x for x in extra}.values())
-    return region
-
-
-def _replicable(inst, dim: int) -> bool:
-    return inst.opcode in ("broadcast", "iota") and all(
-        d is None for d in rules.axis_map(inst).get(dim, (0,)))
+    region = _propagate(coll, axis, comp, _sources(coll, axis, comp))
+    return region if coll in region.plans else None
 
 
 def _propagate(coll, axis: int, comp, sources) -> Region:
