@@ -37,8 +37,8 @@ from hlo_passes.errors import HloError
 from hlo_passes.instruction import Instruction
 from hlo_passes.shapes import Shape
 
-__all__ = ["SplitPlan", "SplitResult", "split_instructions", "ADJUST", "max_channel_id",
-           "plans_divisible_by"]
+__all__ = ["SplitPlan", "SplitResult", "split_instructions", "split_while_body",
+           "carried_splits", "ADJUST", "max_channel_id", "plans_divisible_by"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +160,9 @@ def max_channel_id(module) -> int:
 
 def split_instructions(comp, plans: dict[Instruction, SplitPlan], n: int,
                        next_channel_id: Callable[[], int], isolate: bool = False,
-                       wide_partials: bool = False) -> SplitResult:
+                       wide_partials: bool = False,
+                       presplit: dict[Instruction, tuple[int, list[Instruction]]] | None = None,
+                       ) -> SplitResult:
     """Replace the planned instructions of ``comp`` by ``n`` chunks each (see the module docstring).
 
     Args:
@@ -180,6 +182,9 @@ def split_instructions(comp, plans: dict[Instruction, SplitPlan], n: int,
         operand converted, a scalar f32 add computation) and rounds once after the chunks
         are added; otherwise each chunk rounds to the reduce's type before the addition.
         Half-precision partial dots always accumulate in f32.
+      presplit: outside operand -> (dimension, its ``n`` chunks, already in ``comp``): chunk
+        ``k`` reads chunk ``k`` where it would read the ``k``-th slice along that
+        dimension (a loop-carried value kept in chunks, ``split_while_body``); no barrier.
 
     Returns:
       The names of the chunks, slices and concatenations added.
@@ -245,6 +250,8 @@ def split_instructions(comp, plans: dict[Instruction, SplitPlan], n: int,
         return barriers[key]
 
     def slice_of(op: Instruction, dim: int, k: int, before: Instruction) -> Instruction:
+        if presplit and op in presplit and presplit[op][0] == dim:
+            return presplit[op][1][k]
         key = (id(op), dim, k)
         if key not in slices:
             op = own(op, k, before)
@@ -337,3 +344,217 @@ def split_instructions(comp, plans: dict[Instruction, SplitPlan], n: int,
     return SplitResult(chunks={i.name: [c.name for c in chunks[id(i)]] for i in order},
                        slices=[s.name for s in slices.values()], concats=concats,
                        barriers=[b.name for b in isolated], sums=sums)
+
+
+# -- loop-carried chunks ---------------------------------------------------------------------
+
+
+def _while_problem(w: Instruction) -> str | None:
+    """Why the loop state of ``w`` cannot be re-chunked (None if it can)."""
+    body, cond = w.attr("body"), w.attr("condition")
+    module = body.module
+    if not w.shape.is_tuple or len(w.operands) != 1:
+        return "the loop state is not one tuple"
+    if w is w.parent.root or any(u.opcode != "get-tuple-element" for u in w.users):
+        return "the loop result is used as a whole (not only through get-tuple-element)"
+    callers = [i for i in module.instructions() for c in i.called_computations
+               if c is body or c is cond]
+    if len(callers) != 2:
+        return "the body or condition is shared with another instruction"
+    for comp in (body, cond):
+        if len(comp.parameters) != 1 or any(
+                u.opcode != "get-tuple-element" for u in comp.parameters[0].users):
+            return f"%{comp.name} uses its loop state other than through get-tuple-element"
+    if body.root is None or body.root.opcode != "tuple":
+        return "the body does not return a tuple instruction"
+    return None
+
+
+def carried_splits(w: Instruction, plans: dict[Instruction, SplitPlan], n: int) -> dict[int, int]:
+    """Elements of ``w``'s loop state that can be carried as ``n`` chunks when its body is
+    split by ``plans``: tuple index -> the split dimension.
+
+    Element ``i`` qualifies when the body reads it through one ``get-tuple-element`` whose
+    users are all planned and read it split along one dimension ``d`` (or the root passes it
+    through unchanged, at index ``i``), the body's next value of it is that value passed
+    through or a planned (not partial, not replicable) instruction split along ``d``, and
+    the condition does not read it. Then every iteration's slices of it and concatenation
+    of it are gone: the chunks stay apart for the whole loop (``split_while_body``).
+    """
+    if _while_problem(w) is not None:
+        return {}
+    body, cond = w.attr("body"), w.attr("condition")
+    param, root = body.parameters[0], body.root
+    by_index: dict[int, list[Instruction]] = {}
+    for g in param.users:
+        by_index.setdefault(g.tuple_index, []).append(g)
+    cond_reads = {g.tuple_index for g in cond.parameters[0].users}
+    out: dict[int, int] = {}
+    for idx, gs in by_index.items():
+        if len(gs) != 1 or idx in cond_reads or not gs[0].shape.is_array:
+            continue
+        g = gs[0]
+        dims: set = set()
+        ok = True
+        for u in g.users:
+            if u is root:
+                continue
+            if u not in plans:
+                ok = False
+                break
+            dims.update(plans[u].operand_dims[j] for j, op in enumerate(u.operands) if op is g)
+        if not ok or len(dims) != 1 or None in dims:
+            continue
+        d = dims.pop()
+        if any(op is g and j != idx for j, op in enumerate(root.operands)):
+            continue
+        r = root.operands[idx]
+        if r is not g:
+            p = plans.get(r)
+            if (p is None or p.partial is not None or p.replicable or p.out_dim != d
+                    or sum(op is r for op in root.operands) != 1):
+                continue
+        if g.shape.dims[d] % n:
+            continue
+        out[idx] = d
+    return out
+
+
+def _chunks_of(x: Instruction, d: int, n: int, comp, before: Instruction) -> list[Instruction]:
+    """``n`` chunks of ``x`` along ``d`` in ``comp``: the operands of a concatenation that
+    built it from such chunks, otherwise slices (added before ``before``)."""
+    shape = _chunk_shape(x.shape, d, n)
+    if (x.opcode == "concatenate" and x.dimensions == [d] and len(x.operands) == n
+            and all(op.shape.dims == shape.dims for op in x.operands)):
+        return list(x.operands)
+    out = []
+    for k in range(n):
+        ranges = [f"[{k * shape.dims[d]}:{(k + 1) * shape.dims[d]}]" if j == d else f"[0:{size}]"
+                  for j, size in enumerate(x.shape.dims)]
+        s = Instruction(f"{x.name}.chunk{k}", "slice", shape, [x],
+                        {"slice": "{" + ", ".join(ranges) + "}"})
+        out.append(comp.add_instruction(s, before=before))
+    return out
+
+
+def split_while_body(w: Instruction, plans: dict[Instruction, SplitPlan], n: int,
+                     next_channel_id: Callable[[], int], isolate: bool = False,
+                     wide_partials: bool = False) -> tuple[SplitResult, dict[int, int]]:
+    """Split ``w``'s body by ``plans`` (``split_instructions``) and carry the loop state
+    that splits with it in chunks (``carried_splits``).
+
+    A body split alone slices its carried activations at the top of every iteration and
+    concatenates them at the bottom: two memory passes of each per iteration. Here element
+    ``i`` of the loop state becomes ``n`` elements (chunk 0 at index ``i``, the others
+    appended at the end), chunk ``k`` of the body reads chunk ``k`` directly, and the root
+    returns the chunks; before the loop the initial value is sliced once (or, when it is
+    a concatenation of such chunks, e.g. the previous loop's result, its operands are
+    used), after it the chunks are concatenated once for the users. Values are unchanged.
+
+    Returns:
+      The body's ``SplitResult`` and the re-chunked elements (index -> dimension).
+    """
+    body, cond = w.attr("body"), w.attr("condition")
+    module = body.module
+    carries = carried_splits(w, plans, n)
+    param, root = body.parameters[0], body.root
+    base = len(w.shape.elements)
+    elements = list(w.shape.elements)
+    extra: list[Shape] = []
+    presplit: dict[Instruction, tuple[int, list[Instruction]]] = {}
+    original: dict[int, Instruction] = {}
+    for idx, d in sorted(carries.items()):
+        g = next(u for u in param.users if u.tuple_index == idx)
+        original[idx] = g
+        shape = _chunk_shape(g.shape, d, n)
+        chunks = []
+        for k in range(n):
+            index = idx if k == 0 else base + len(extra)
+            if k:
+                extra.append(shape)
+            c = Instruction(module.unique_name(f"{g.name}.carry{k}"), "get-tuple-element", shape,
+                            [param], {"index": str(index)})
+            chunks.append(body.add_instruction(c, after=param))
+        presplit[g] = (d, chunks)
+        elements[idx] = shape
+    res = split_instructions(body, plans, n, next_channel_id, isolate=isolate,
+                             wide_partials=wide_partials, presplit=presplit)
+    if not carries:
+        return res, carries
+    ops, tail = list(root.operands), []
+    for idx, d in sorted(carries.items()):
+        g = original[idx]
+        r = ops[idx]
+        if r is g:
+            pieces = presplit[g][1]
+        else:  # the concatenation split_instructions built for the root
+            if r.opcode != "concatenate" or len(r.operands) != n:
+                raise HloError(f"expected the chunks of loop state element {idx} at the root of "
+                               f"%{body.name}, found %{r.name} ({r.opcode})")
+            pieces = list(r.operands)
+        ops[idx] = pieces[0]
+        tail.extend(pieces[1:])
+    old_root_ops = set(map(id, root.operands))
+    dead = [o for o in root.operands if o.opcode == "concatenate"]
+    new_shape = Shape.tuple_of(elements + extra)
+    root.set_operands(ops + tail)
+    root.shape = new_shape
+    for x in dead:
+        if id(x) in old_root_ops and not x.users and x.parent is body:
+            body.remove_instruction(x)
+    for g in original.values():
+        if not g.users:
+            body.remove_instruction(g)
+    param.shape = new_shape
+    cond.parameters[0].shape = new_shape
+    # Outside: the initial state in chunks, the result concatenated once.
+    parent, init = w.parent, w.operands[0]
+    if init.opcode == "tuple":
+        state = list(init.operands)
+    else:
+        state = [parent.add_instruction(Instruction(
+            module.unique_name(f"{init.name}.element{j}"), "get-tuple-element", e, [init],
+            {"index": str(j)}), before=w) for j, e in enumerate(w.shape.elements)]
+    init_state = [state[idx] for idx in carries]
+    tail = []
+    for idx, d in sorted(carries.items()):
+        pieces = _chunks_of(state[idx], d, n, parent, before=w)
+        state[idx] = pieces[0]
+        tail.extend(pieces[1:])
+    new_init = parent.add_instruction(Instruction(module.unique_name(f"{init.name}.chunked"),
+                                                  "tuple", new_shape, state + tail), before=w)
+    w.replace_operand(init, new_init)
+    if not init.users and init is not parent.root:
+        parent.remove_instruction(init)
+    for x in {id(x): x for x in init_state}.values():  # concatenations now read as chunks
+        if x.opcode == "concatenate" and not x.users and x is not parent.root \
+                and x.parent is parent:
+            parent.remove_instruction(x)
+    w.shape = new_shape
+    extra_index = base
+    for idx, d in sorted(carries.items()):
+        indices = [idx] + list(range(extra_index, extra_index + n - 1))
+        extra_index += n - 1
+        for u in [u for u in w.users if u.tuple_index == idx]:
+            u.shape = elements[idx]
+            pieces = [u] + [parent.add_instruction(Instruction(
+                module.unique_name(f"{u.name}.carry{k}"), "get-tuple-element", elements[idx],
+                [w], {"index": str(j)}), after=u) for k, j in enumerate(indices[1:], 1)]
+            cat = Instruction(module.unique_name(f"{u.name}.concat"), "concatenate",
+                              Shape(u.shape.dtype, _whole_dims(elements[idx], d, n),
+                                    u.shape.layout), pieces,
+                              {"dimensions": _attrs.format_int_list([d])})
+            parent.add_instruction(cat, after=pieces[-1])
+            for user in [x for x in u.users if x is not cat]:
+                user.replace_operand(u, cat)
+            if parent.root is u:
+                parent.root = cat
+    parent.set_order(parent.post_order())
+    body.set_order(body.post_order())
+    return res, carries
+
+
+def _whole_dims(chunk: Shape, d: int, n: int) -> list[int]:
+    dims = list(chunk.dims)
+    dims[d] *= n
+    return dims

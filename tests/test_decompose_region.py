@@ -117,13 +117,19 @@ def test_region_heldout_three_steps(layout):
     assert rec.changed, rec.stats
     for d in rec.stats["decomposed"]:
         assert d["sides"] == "region" and d["n"] == 2 and d["collectives"] >= 1
-    assert any(d["partial"] >= 1 for d in rec.stats["decomposed"]), rec.stats["decomposed"]
-    if layout == "tp_scanned":  # the layers' collectives are in while bodies: split there
-        entry = hlo_passes.parse_module(opt.hlo_texts()[0]).entry.name
-        assert all(d["computation"] != entry for d in rec.stats["decomposed"]), \
-            rec.stats["decomposed"]
-    assert rec.tolerance == rec.stats["tolerance"] == 1e-3
-    assert report.first_step_check == "ran: outputs equal the original's (within relative tolerance 0.001)"
+    partial = any(d["partial"] >= 1 for d in rec.stats["decomposed"])
+    if layout != "fsdp":  # a batch region: micro-batches with summed weight gradients
+        assert partial, rec.stats["decomposed"]
+    # (fsdp: the region of a weight all-gather along its columns scores best since only the
+    # communication a GEMM waits for counts (session 6): no partial member)
+    if layout == "tp_scanned":  # the layers' collectives are in while bodies: split there,
+        entry = hlo_passes.parse_module(opt.hlo_texts()[0]).entry.name  # activations in chunks
+        body = [d for d in rec.stats["decomposed"] if d["computation"] != entry]
+        assert body and all(d["carried_in_chunks"] for d in body), rec.stats["decomposed"]
+    want = 1e-3 if partial else 1e-4
+    assert rec.tolerance == rec.stats["tolerance"] == want
+    assert report.first_step_check == \
+        f"ran: outputs equal the original's (within relative tolerance {want:g})"
 
 
 def test_half_precision_partials_accumulate_in_f32():

@@ -87,6 +87,12 @@ class DecomposeOptions:
     # a region with a positive score, the per-collective contexts are searched instead.
     # None: contexts only. Ignored with force_degree (tests of the contexts).
     region_degree: int | None = 2
+    # In a while body (scanned layers), the region also takes the loop state it reads split
+    # (grow_through_carries) and that state is carried in chunks across iterations
+    # (hlo_passes.decompose_rewrite.split_while_body): sliced once before the loop and
+    # concatenated once after it, instead of in every iteration. False: the body is split
+    # alone (every iteration slices and concatenates its carried activations).
+    carry_chunks: bool = True
     # Relative tolerance declared when a region has partial members (sums reassociated).
     region_tolerance: float = 1e-3
     # Half-precision partial sums (a bf16 bias gradient) reduce each chunk in f32 and round

@@ -76,8 +76,9 @@ class RegionScore:
     """A region's case for a split into ``n`` (cost-model µs, one step).
 
     Attributes:
-      comm_us: time of the region's collectives: the communication that chunk ``k`` can
-        overlap with another chunk's compute once split.
+      comm_us: time of the region's collectives that a GEMM or another collective of the
+        region waits for: the communication that chunk ``k`` can overlap with another
+        chunk's compute once split, and that nothing else would hide.
       overhead_us: the memory passes the split adds: every partial member's ``n - 1``
         additions (read two, write one output each, at the accumulation width), every
         sliced outside operand (read once, written once in slices), every
@@ -93,21 +94,56 @@ class RegionScore:
         return self.comm_us - self.overhead_us
 
 
-def score_region(region: Region, n: int, cost_model, num_devices: int) -> RegionScore:
+def score_region(region: Region, n: int, cost_model, num_devices: int,
+                 free: frozenset | set = frozenset(), loop_body: bool = False) -> RegionScore:
     """Score a region for the choice between regions (``decompose_pass._best_region``).
 
     A region along a hidden (model) axis splits weights and turns the contractions over
     that axis into partial sums of activation-sized outputs; a batch region's partial
     members are the weight gradients. This score prefers the region whose collectives
     are worth the most communication per byte of summing, slicing and concatenating.
+    ``free``: instructions whose slicing (an outside operand) or concatenation (a member)
+    the rewrite does not do (loop state carried in chunks, ``carried_splits``).
+    ``loop_body``: the region's computation is a while body (a value it returns is read
+    by the next iteration).
     """
     from concerto_jax.decompose.cost import payload_bytes
     from concerto_jax.hlo_taskgraph import _groups
 
     bw = cost_model.gpu.hbm_bytes_per_s / 1e6  # bytes per µs
+    comp = region.collective.parent
+    root = comp.root
+    carried_in: dict = {}  # in a loop body: tuple index -> the get-tuple-elements reading it
+    if loop_body and comp.parameters and root is not None and root.opcode == "tuple":
+        for g in comp.parameters[0].users:
+            if g.opcode == "get-tuple-element":
+                carried_in.setdefault(g.tuple_index, []).append(g)
+
+    def gating(inst) -> bool:
+        """A GEMM or a collective waits for ``inst`` (in a loop body: also in the next
+        iteration, through the loop state)."""
+        seen = {id(inst)}
+        stack = [inst]
+        while stack:
+            node = stack.pop()
+            nxt = list(node.users)
+            if node is root or root in node.users:
+                nxt += [g for j, op in enumerate(root.operands) if op is node
+                        for g in carried_in.get(j, ())]
+            for user in nxt:
+                if user.opcode in ("dot", "convolution") or user.is_collective:
+                    return True
+                if id(user) not in seen:
+                    seen.add(id(user))
+                    stack.append(user)
+        return False
+
     comm = 0.0
     for inst, plan in region.plans.items():
-        if inst.is_collective and plan.partial is None:
+        # only communication that a GEMM or a collective waits for is worth a split: one
+        # whose result only goes to an accumulator or out of the step (a data-parallel
+        # weight gradient before the optimizer) overlaps the rest of the step unsplit
+        if inst.is_collective and plan.partial is None and gating(inst):
             comm += cost_model.collective(inst.opcode, payload_bytes(inst),
                                           _groups(inst, num_devices)).time_us
     moved = 0.0
@@ -119,10 +155,21 @@ def score_region(region: Region, n: int, cost_model, num_devices: int) -> Region
                 size = 4 * math.prod(inst.shape.dims)  # half-precision dots sum in f32
             moved += 3 * size * (n - 1)
         for op, d in zip(inst.operands, plan.operand_dims, strict=True):
-            if d is not None and op not in region.plans and id(op) not in sliced:
+            if d is not None and op not in region.plans and id(op) not in sliced \
+                    and op not in free:
                 sliced.add(id(op))
-                moved += 2 * op.shape.byte_size
-        if plan.partial is None and not plan.replicable and any(
+                # XLA slices a broadcast's operand instead (slice(broadcast(x)) ->
+                # broadcast(slice(x))); a broadcast of a scalar or of an unsplit vector
+                # costs nothing sliced (the rewrite clones it per chunk)
+                src = op.operands[0] if op.opcode == "broadcast" and op.operands else op
+                moved += 2 * src.shape.byte_size
+        if inst.opcode in ("dot", "convolution"):
+            # every chunk reads the operands it uses whole: n - 1 more reads of each (the
+            # weights of a batch split; the activations of a hidden-axis split)
+            for op, d in zip(inst.operands, plan.operand_dims, strict=True):
+                if d is None:
+                    moved += (n - 1) * op.shape.byte_size
+        if plan.partial is None and not plan.replicable and inst not in free and any(
                 u not in region.plans for u in inst.users):
             moved += 2 * inst.shape.byte_size
     return RegionScore(comm, moved / bw)
@@ -238,4 +285,44 @@ def _propagate(coll, axis: int, comp, sources) -> Region:
         else:
             avail[inst] = plan.out_dim
         region.plans[inst] = plan
+    return region
+
+
+def grow_through_carries(region: Region, comp, rounds: int = 4) -> Region:
+    """In a while body: bring into ``region`` the loop state it reads split.
+
+    An outside operand that the region slices along ``d`` and whose backward walk along
+    ``d`` (``_sources``) ends only at ``get-tuple-element`` s of the body's parameter (a
+    carried activation, possibly through a copy or a convert) joins with those as new
+    sources, and the region is propagated again (up to ``rounds`` times). Then the carried
+    value is split at its source and can be carried in chunks across iterations
+    (``hlo_passes.decompose_rewrite.split_while_body``) instead of being sliced in every
+    iteration.
+    """
+    params = comp.parameters
+    if len(params) != 1:
+        return region
+    param = params[0]
+    for _ in range(rounds):
+        known = {(id(s), d) for s, d in region.sources}
+        taken = {id(s) for s, _ in region.sources}  # one split dimension per source
+        new: list = []
+        for inst, plan in region.plans.items():
+            for op, d in zip(inst.operands, plan.operand_dims, strict=True):
+                if d is None or op in region.plans or (id(op), d) in known:
+                    continue
+                walk = _sources(op, d, comp)
+                if walk and all(s.opcode == "get-tuple-element" and s.operands
+                                and s.operands[0] is param for s, _ in walk):
+                    for w in walk:
+                        if id(w[0]) not in taken:
+                            taken.add(id(w[0]))
+                            known.add((id(w[0]), w[1]))
+                            new.append(w)
+        if not new:
+            break
+        grown = _propagate(region.collective, region.axis, comp, region.sources + new)
+        if region.collective not in grown.plans:
+            break
+        region = grown
     return region

@@ -139,14 +139,17 @@ def decompose_pass(module, options) -> PassOutcome:
     return PassOutcome(changed=bool(decomposed), stats=stats, tolerance=tolerance)
 
 
-def _best_region(comp, n: int, cost_model, num_devices: int):
+def _best_region(comp, n: int, cost_model, num_devices: int, loop=None):
     """The region of ``comp`` with the best ``region.score_region`` among those whose split
     dimensions divide by ``n`` and whose score is positive; ``(region, score)`` or None.
     Seeds: every synchronous array collective along every axis its rule splits; a
     collective already inside a region found along the same axis is not seeded again (its
-    region is the same)."""
+    region is the same). ``loop``: the while whose body ``comp`` is; its regions grow to
+    the loop state they read split (``grow_through_carries``), and the loop state that can
+    be carried in chunks (``carried_splits``) costs no slicing or concatenation."""
     from concerto_jax.decompose import rules
-    from concerto_jax.decompose.region import build_region, score_region
+    from concerto_jax.decompose.region import build_region, grow_through_carries, score_region
+    from hlo_passes.decompose_rewrite import carried_splits
 
     best, covered = None, set()
     for coll in list(comp.instructions):
@@ -156,12 +159,21 @@ def _best_region(comp, n: int, cost_model, num_devices: int):
             if (coll.name, axis) in covered:
                 continue
             region = build_region(coll, axis)
+            if region is not None and loop is not None:
+                region = grow_through_carries(region, comp)
             if region is None or not region.divisible_by(n):
                 continue
             for inst, plan in region.plans.items():
                 if inst.is_collective and plan.partial is None:
                     covered.add((inst.name, plan.out_dim))
-            score = score_region(region, n, cost_model, num_devices)
+            free: set = set()
+            if loop is not None:
+                carried = carried_splits(loop, region.plans, n)
+                param, root = comp.parameters[0], comp.root
+                free = {u for u in param.users if u.tuple_index in carried}
+                free |= {root.operands[i] for i in carried}
+            score = score_region(region, n, cost_model, num_devices, free=free,
+                                 loop_body=loop is not None)
             if score.score_us > 0 and (best is None or score.score_us > best[1].score_us):
                 best = (region, score)
     return best
@@ -173,7 +185,7 @@ def _region_split(module, options, dopts: DecomposeOptions, cost_model) -> PassO
     into ``region_degree`` chunks. A region whose rewrite fails is left as it was, with one
     warning."""
     from concerto_jax.decompose.search import computations_to_search
-    from hlo_passes.decompose_rewrite import max_channel_id, split_instructions
+    from hlo_passes.decompose_rewrite import max_channel_id, split_instructions, split_while_body
 
     n = dopts.region_degree
     next_id = [max_channel_id(module)]
@@ -182,16 +194,25 @@ def _region_split(module, options, dopts: DecomposeOptions, cost_model) -> PassO
         next_id[0] += 1
         return next_id[0]
 
+    loops = {id(i.attr("body")): i for i in module.instructions()
+             if i.opcode == "while" and i.attr("body") is not None}
     decomposed, dropped, tolerance = [], [], 0.0
     for comp in computations_to_search(module, dopts):
-        found = _best_region(comp, n, cost_model, module.num_devices)
+        loop = loops.get(id(comp)) if dopts.carry_chunks else None
+        found = _best_region(comp, n, cost_model, module.num_devices, loop=loop)
         if found is None:
             continue
         region, score = found
+        carried: dict = {}
         try:
-            res = split_instructions(comp, region.plans, n, fresh,
-                                     isolate=dopts.isolate_chunks != "none",
-                                     wide_partials=dopts.wide_partials)
+            if loop is not None:
+                res, carried = split_while_body(loop, region.plans, n, fresh,
+                                                isolate=dopts.isolate_chunks != "none",
+                                                wide_partials=dopts.wide_partials)
+            else:
+                res = split_instructions(comp, region.plans, n, fresh,
+                                         isolate=dopts.isolate_chunks != "none",
+                                         wide_partials=dopts.wide_partials)
         except HloError as err:
             dropped.append(f"region of {region.collective.name} in {comp.name}: {err}")
             continue
@@ -204,6 +225,7 @@ def _region_split(module, options, dopts: DecomposeOptions, cost_model) -> PassO
                            "partial": len(region.partial), "sources": len(region.sources),
                            "slices": len(res.slices), "concats": len(res.concats),
                            "sums": len(res.sums), "barriers": len(res.barriers),
+                           "carried_in_chunks": sorted(carried),
                            "comm_us": round(score.comm_us, 1),
                            "overhead_us": round(score.overhead_us, 1),
                            "predicted_gain_us": None})
