@@ -57,6 +57,9 @@ def main(argv=None) -> int:
     d.add_argument("--region", type=int, default=2, metavar="N",
                    help="DecomposeOptions.region_degree (default 2): split the best region into "
                         "N micro-batches; 0: per-collective contexts only (region_degree=None)")
+    d.add_argument("--thresholds", default=None, metavar="B,B,...",
+                   help="Options.combine_thresholds in bytes (default: the Options default); "
+                        "'none': XLA's combine thresholds only")
     dc = sub.add_parser("decompose-calibrate",
                         help="measure the decomposition's chunk overhead and overlap slowdown (CPU)")
     dc.add_argument("--repeats", type=int, default=15)
@@ -115,7 +118,10 @@ def main(argv=None) -> int:
         prefix = args.prefix or ("decompose_quick" if args.quick or args.case else "decompose")
         rows = decompose_bench.run(suite.select_cases(args.case, args.quick), args.out, prefix,
                                    final_module=not args.taskgraph_only,
-                                   split_copies=args.split_copies, region_degree=args.region or None)
+                                   split_copies=args.split_copies, region_degree=args.region or None,
+                                   combine_thresholds=None if args.thresholds is None else (
+                                       () if args.thresholds == "none"
+                                       else tuple(int(b) for b in args.thresholds.split(","))))
         with open(os.path.join(args.out, f"{prefix}.md")) as f:
             sys.stdout.write(f.read())
         return 0 if all(not str(r["status"]).startswith("error") for r in rows) else 1

@@ -36,7 +36,11 @@ COLUMNS = ("case", "cluster",
            "tg_program_us", "tg_s_us", "tg_sad_us", "tg_sad_gain", "tg_exposed_us",
            "critical", "collectives", "candidates", "decomposed", "verdicts", "judge_costs",
            # XLA's final module (compile_for_target), simulated
-           "stock_us", "s_us", "sad_us", "s_gain", "sad_gain", "windowed_einsum", "status")
+           "stock_us", "s_us", "sad_us", "s_gain", "sad_gain",
+           # XLA's combine thresholds compile_for_target chose for S+AD (Options.combine_thresholds;
+           # empty: XLA's defaults kept) and stock XLA compiled with the same thresholds
+           "sad_thresholds", "stock_same_thresholds_us", "sad_gain_same_thresholds",
+           "windowed_einsum", "status")
 
 
 def _min_time(fn, repeats: int) -> float:
@@ -200,14 +204,15 @@ def _taskgraph_columns(rec: dict) -> dict:
 
 
 def run_case(case, final_module: bool = True, split_copies: str = "estimate",
-             region_degree: int | None = 2) -> dict:
+             region_degree: int | None = 2, combine_thresholds: tuple[int, ...] | None = None) -> dict:
     """One suite case.
 
     Task-graph columns: the decompose pass's judge on the post-SPMD module (program
     order; the schedule pass's scheduler without / with the chosen splits). Final-module
     columns (``final_module``): stock, S and S+AD compiled by ``compile_for_target`` and
     XLA's final module simulated (µs/step). ``split_copies``: ``DecomposeOptions.split_copies``;
-    ``region_degree``: ``DecomposeOptions.region_degree`` (the region strategy).
+    ``region_degree``: ``DecomposeOptions.region_degree`` (the region strategy);
+    ``combine_thresholds``: ``Options.combine_thresholds`` (None: the default).
     """
     import concerto_jax
     from concerto_jax.decompose.options import DecomposeOptions
@@ -233,9 +238,10 @@ def run_case(case, final_module: bool = True, split_copies: str = "estimate",
         row["status"] = "ok (task graph only)"
         return row
     results = {}
+    tkw = {} if combine_thresholds is None else {"combine_thresholds": tuple(combine_thresholds)}
     for label, passes in (("s", ("schedule",)), ("sad", ("decompose", "schedule"))):
         opts = concerto_jax.Options(passes=passes, target=case.cluster, compiler_options=xla,
-                                    decompose=dopts)
+                                    decompose=dopts, **tkw)
         results[label] = concerto_jax.compile_for_target(c.step, c.abstract_state, c.abstract_batch,
                                                          target=case.cluster, options=opts)
     stock = results["s"].stock_step_us
@@ -243,6 +249,18 @@ def run_case(case, final_module: bool = True, split_copies: str = "estimate",
                sad_us=round(results["sad"].final_step_us, 1))
     row["s_gain"] = round(stock / results["s"].final_step_us, 4)
     row["sad_gain"] = round(stock / results["sad"].final_step_us, 4)
+    recs = {p.name: p.stats for p in results["sad"].passes}
+    chosen = (recs.get("combine_thresholds") or {}).get("chosen_bytes")
+    row["sad_thresholds"] = "" if chosen is None else chosen
+    if chosen is not None:  # how much of it the flags alone give stock XLA
+        from concerto_jax.target.program import COMBINE_THRESHOLD_FLAGS
+
+        same = concerto_jax.compile_for_target(
+            c.step, c.abstract_state, c.abstract_batch, target=case.cluster,
+            options=concerto_jax.Options(passes=(), target=case.cluster, compiler_options={
+                **xla, **dict.fromkeys(COMBINE_THRESHOLD_FLAGS, chosen)}))
+        row["stock_same_thresholds_us"] = round(same.stock_step_us, 1)
+        row["sad_gain_same_thresholds"] = round(same.stock_step_us / results["sad"].final_step_us, 4)
     row["windowed_einsum"] = _windowed_einsum(case.name)
     rec = {p["name"] if isinstance(p, dict) else p.name: (p["stats"] if isinstance(p, dict) else p.stats)
            for p in results["sad"].passes}.get("decompose", {})
@@ -254,14 +272,15 @@ def run_case(case, final_module: bool = True, split_copies: str = "estimate",
 
 def run(cases, out_dir: str = "bench/results", prefix: str = "decompose",
         final_module: bool = True, split_copies: str = "estimate",
-        region_degree: int | None = 2) -> list[dict]:
+        region_degree: int | None = 2,
+        combine_thresholds: tuple[int, ...] | None = None) -> list[dict]:
     """All cases, one row each (a failing case becomes an error row); writes CSV + markdown."""
     rows = []
     t0 = time.perf_counter()
     for case in cases:
         t = time.perf_counter()
         try:
-            row = run_case(case, final_module, split_copies, region_degree)
+            row = run_case(case, final_module, split_copies, region_degree, combine_thresholds)
         except Exception as e:  # noqa: BLE001 - reported in the row
             log.exception("%s failed", case.name)
             row = dict.fromkeys(COLUMNS, "")
@@ -292,7 +311,8 @@ def run(cases, out_dir: str = "bench/results", prefix: str = "decompose",
              + ("" if final_module else " (not run: --taskgraph-only)") + ".\n",
              f"Command: `python -m bench.cli decompose{'' if final_module else ' --taskgraph-only'}"
              f"{'' if split_copies == 'estimate' else ' --split-copies ' + split_copies}"
-             f"{' --region 0' if region_degree is None else ('' if region_degree == 2 else f' --region {region_degree}')}`; "
+             f"{' --region 0' if region_degree is None else ('' if region_degree == 2 else f' --region {region_degree}')}"
+             f"{'' if combine_thresholds is None else ' --thresholds ' + (','.join(map(str, combine_thresholds)) or 'none')}`; "
              f"{time.perf_counter() - t0:.0f} s.\n",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
@@ -301,6 +321,13 @@ def run(cases, out_dir: str = "bench/results", prefix: str = "decompose",
     if final_module:
         g, n = geomean("sad_gain")
         lines.append(f"Final module: geomean S+AD over stock {g:.4f} over {n} cases.")
+        same = [r["sad_gain_same_thresholds"] if isinstance(r.get("sad_gain_same_thresholds"), float)
+                else r.get("sad_gain") for r in rows]
+        same = [x for x in same if isinstance(x, float)]
+        if same:
+            lines.append(f"Final module: geomean S+AD over stock at the same combine thresholds "
+                         f"{math.exp(sum(map(math.log, same)) / len(same)):.4f} over {len(same)} cases "
+                         "(stock XLA given the thresholds S+AD chose, where it chose any).")
     with open(os.path.join(out_dir, f"{prefix}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     return rows

@@ -200,7 +200,8 @@ def register_prefetch_all() -> None:
 
 def run_case(name: str, layout: str, cluster: str, mesh: tuple[int, ...], note: str, variant: str,
              layers: int, passes: tuple[str, ...] = ("schedule",), memory_ratio: float | None = 1.0,
-             dump_dir: str | None = None, pipeliner: bool = True) -> dict:
+             dump_dir: str | None = None, pipeliner: bool = True,
+             combine_thresholds: tuple[int, ...] | None = None) -> dict:
     """One case variant through ``compile_for_target``, its three modules judged; a row of ``COLUMNS``."""
     import concerto_jax
     from bench.baseline import model_case
@@ -220,8 +221,10 @@ def run_case(name: str, layout: str, cluster: str, mesh: tuple[int, ...], note: 
     cost_model = CostModel(get_cluster(cluster))
     with tempfile.TemporaryDirectory(prefix="scanned_") as tmp, recording_reschedules() as seen:
         dump = os.path.join(dump_dir, f"{name}_{variant}") if dump_dir else tmp
+        tkw = {} if combine_thresholds is None else {"combine_thresholds": tuple(combine_thresholds)}
         options = concerto_jax.Options(passes=passes, target=cluster, compiler_options=dict(xla_options),
-                                       scheduler=ScheduleOptions(memory_limit_ratio=memory_ratio), dump_dir=dump)
+                                       scheduler=ScheduleOptions(memory_limit_ratio=memory_ratio), dump_dir=dump,
+                                       **tkw)
         res = concerto_jax.compile_for_target(built.step, built.abstract_state, built.abstract_batch,
                                               target=cluster, options=options)
         xla_sched = (_read(os.path.join(dump, "xla_scheduled.hlo"))
@@ -339,7 +342,12 @@ def main(argv=None) -> int:
                         help="turn XLA's collective pipeliner off (xla_gpu_enable_pipelined_*=false) for stock and ours")
     parser.add_argument("--dump-dir", help="keep each row's modules (captured, stock final, XLA scheduled, "
                         "emitted, final) under DUMP_DIR/<case>_<variant>/")
+    parser.add_argument("--thresholds", default=None, metavar="B,B,...",
+                        help="Options.combine_thresholds in bytes (default: the Options default); "
+                             "'none': XLA's combine thresholds only")
     args = parser.parse_args(argv)
+    thresholds = None if args.thresholds is None else (
+        () if args.thresholds == "none" else tuple(int(b) for b in args.thresholds.split(",")))
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # deviceless GPU compile: JAX itself on CPU
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -355,7 +363,7 @@ def main(argv=None) -> int:
         for variant in args.variant or VARIANTS:
             try:
                 row = run_case(name, layout, cluster, mesh, note, variant, args.layers, passes, ratio,
-                               args.dump_dir, args.pipeliner)
+                               args.dump_dir, args.pipeliner, thresholds)
                 surv = row.pop("_survival", None)
                 if surv is not None:
                     log.info("%s/%s survival: %s", name, variant, surv.detail)

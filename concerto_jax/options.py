@@ -66,6 +66,12 @@ class Options:
     always_recompile: bool = False
     # Settings of the "decompose" pass (degrees, context limits, joint search).
     decompose: DecomposeOptions = DecomposeOptions()
+    # compile_for_target (backend-only path, with passes): also plan the program with XLA's
+    # all-reduce / all-gather / reduce-scatter combine thresholds at each of these byte
+    # sizes (one XLA compile each) and keep the fastest plan if it beats the one at the
+    # given compiler options (TargetResult.passes: the "combine_thresholds" record).
+    # XLA's buckets wait for their last member; smaller ones overlap earlier. () : off.
+    combine_thresholds: tuple[int, ...] = (8 << 20, 2 << 20, 512 << 10)
 
     def __post_init__(self):
         from concerto_jax.pipeline import pass_names
@@ -81,6 +87,9 @@ class Options:
 
         if self.target not in CLUSTERS:
             raise ValueError(f"unknown target {self.target!r}; expected one of {sorted(CLUSTERS)}")
+        if any(not isinstance(b, int) or b < 0 for b in self.combine_thresholds):
+            raise ValueError(f"combine_thresholds must be byte sizes >= 0, got "
+                             f"{self.combine_thresholds!r}")
         if self.check_first_step not in (True, False, "auto"):
             raise ValueError(
                 f"check_first_step must be True, False or 'auto', got {self.check_first_step!r}")

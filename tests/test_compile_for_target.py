@@ -1,6 +1,7 @@
 """compile_for_target: the optimised program compiled deviceless for a target GPU (needs the CUDA plugin):
 the backend-only path (our order on XLA's scheduled module, kept by XLA's backend) and the pin path."""
 
+import dataclasses
 import os
 
 import pytest
@@ -101,7 +102,7 @@ def test_compile_for_target_backend_only_keeps_our_order(tmp_path):
 
     step, args = _mlp()
     res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=concerto_jax.Options(
-        passes=("schedule",), fallback=False, dump_dir=str(tmp_path)))
+        passes=("schedule",), fallback=False, dump_dir=str(tmp_path), combine_thresholds=()))
     assert res.fallback_reason is None and res.via == "backend_only" and res.pins == 0
     assert [p.name for p in res.passes] == ["schedule"] and res.passes[0].stats["on"] == "xla_scheduled"
     assert "opt-barrier" not in res.emitted_text and "is_scheduled=true" in res.emitted_text
@@ -140,7 +141,8 @@ def test_backend_only_runs_rewriting_passes_before_xla(monkeypatch):
     monkeypatch.setitem(pipeline.PASS_TABLE, "touch_for_test", __name__)
     step, args = _mlp()
     res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=concerto_jax.Options(
-        passes=("touch_for_test", "schedule"), fallback=False), guard_rewrites=False)
+        passes=("touch_for_test", "schedule"), fallback=False, combine_thresholds=()),
+        guard_rewrites=False)
     assert seen and res.via == "backend_only"
     assert [p.name for p in res.passes] == ["touch_for_test", "schedule"]
     assert "xla_passes_compile" in res.seconds
@@ -210,7 +212,7 @@ def test_rewrite_guard_keeps_the_faster_of_rewritten_and_plain_plans(monkeypatch
     monkeypatch.setattr(fidelity, "judge_module", counting_judge)
     step, args = _mlp()
     opts = concerto_jax.Options(passes=("decompose", "schedule"), fallback=False,
-                                decompose=DecomposeOptions(force_degree=2))
+                                decompose=DecomposeOptions(force_degree=2), combine_thresholds=())
     res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=opts)
     # The kept plan is simulated once (by the guard; measure reuses it), and the reported
     # figures are those of a fresh measure of the same modules.
@@ -235,3 +237,57 @@ def test_rewrite_guard_keeps_the_faster_of_rewritten_and_plain_plans(monkeypatch
                                                 guard_rewrites=False)
     assert "final_module_guard" not in next(p for p in unguarded.passes if p.name == "decompose").stats
     assert unguarded.planned_step_us == pytest.approx(rewritten, abs=0.11)
+
+
+def _dp_mlp(layers: int = 6):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = concerto_jax.target_mesh("h100_sxm_8", (8,), ("dp",))
+
+    def loss(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return jnp.mean(x ** 2)
+
+    rep = NamedSharding(mesh, P())
+    ws = [jax.ShapeDtypeStruct((1024, 1024), jnp.float32, sharding=rep) for _ in range(layers)]
+    x = jax.ShapeDtypeStruct((4096, 1024), jnp.float32, sharding=NamedSharding(mesh, P("dp", None)))
+    return jax.jit(jax.grad(loss)), (ws, x)
+
+
+@needs_plugin
+def test_combine_thresholds_keep_the_fastest_plan():
+    # A data-parallel step with one 4 MiB gradient all-reduce per layer: XLA combines them up
+    # to its threshold; candidates of 1 B (nothing combined) and 8 MiB are planned too, and
+    # the fastest plan is compiled. Whatever wins, the record, the figures and the final
+    # module agree.
+    from concerto_jax.target.program import COMBINE_THRESHOLD_FLAGS
+
+    step, args = _dp_mlp()
+    base = concerto_jax.Options(passes=("schedule",), fallback=False, combine_thresholds=())
+    plain = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=base)
+    assert "combine_thresholds" not in [p.name for p in plain.passes]
+    tuned = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=dataclasses.replace(
+        base, combine_thresholds=(1, 8 << 20)))
+    rec = next(p for p in tuned.passes if p.name == "combine_thresholds")
+    assert rec.stats["flags"] == list(COMBINE_THRESHOLD_FLAGS)
+    assert [c["bytes"] for c in rec.stats["candidates"]] == [1, 8 << 20]
+    assert all("planned_us" in c for c in rec.stats["candidates"]), rec.stats
+    current = rec.stats["current_planned_us"]
+    assert current == pytest.approx(plain.planned_step_us, abs=0.11)
+    best = min(rec.stats["candidates"], key=lambda c: c["planned_us"])
+    if best["planned_us"] < current:
+        assert rec.changed and rec.stats["chosen_bytes"] == best["bytes"]
+        assert tuned.planned_step_us == pytest.approx(best["planned_us"], abs=0.11)
+    else:
+        assert not rec.changed and rec.stats["chosen_bytes"] is None
+        assert tuned.planned_step_us == pytest.approx(current, abs=0.11)
+    assert tuned.planned_step_us <= plain.planned_step_us + 0.11
+    # nothing combined: one all-reduce per gradient in XLA's final module
+    if rec.stats["chosen_bytes"] == 1:
+        assert tuned.final_text.count("all-reduce-start(") >= 6
+    with pytest.raises(ValueError, match="combine_thresholds"):
+        concerto_jax.Options(combine_thresholds=(-1,))
