@@ -253,12 +253,12 @@ def run_case(case, final_module: bool = True, split_copies: str = "estimate",
     chosen = (recs.get("combine_thresholds") or {}).get("chosen_bytes")
     row["sad_thresholds"] = "" if chosen is None else chosen
     if chosen is not None:  # how much of it the flags alone give stock XLA
-        from concerto_jax.target.program import COMBINE_THRESHOLD_FLAGS
+        from concerto_jax.target.program import combine_threshold_options
 
         same = concerto_jax.compile_for_target(
             c.step, c.abstract_state, c.abstract_batch, target=case.cluster,
             options=concerto_jax.Options(passes=(), target=case.cluster, compiler_options={
-                **xla, **dict.fromkeys(COMBINE_THRESHOLD_FLAGS, chosen)}))
+                **xla, **combine_threshold_options(chosen)}))
         row["stock_same_thresholds_us"] = round(same.stock_step_us, 1)
         row["sad_gain_same_thresholds"] = round(same.stock_step_us / results["sad"].final_step_us, 4)
     row["windowed_einsum"] = _windowed_einsum(case.name)

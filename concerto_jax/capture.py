@@ -171,6 +171,7 @@ def capture(fn: Any, args: tuple, kwargs: Mapping[str, Any] | None = None, *,
             "xla_dump_to": dump_dir,
             "xla_dump_hlo_pass_re": "spmd-partitioning",
             "xla_dump_hlo_as_text": True,
+            "xla_dump_large_constants": True,
             # This executable is never run (only its calling convention is reused),
             # so skip the expensive LLVM work: about 35% less capture time on CPU.
             "xla_backend_optimization_level": 0,

@@ -152,6 +152,13 @@ def run(hlo_text: str, options: Options) -> PipelineResult:
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     module = hlo_passes.parse_module(hlo_text, source="captured")
+    elided = [i.name for i in module.instructions()
+              if i.opcode == "constant" and (i.literal or "").strip() == "{...}"]
+    if elided:
+        raise hlo_passes.HloError(
+            f"the captured module elides the value of {len(elided)} constants (%{elided[0]} is "
+            "'{...}'); expected a dump written with xla_dump_large_constants=true (XLA prints "
+            "constants of more than a few elements as '{...}' otherwise)")
     if options.verify:
         hlo_passes.verify(module)
     timings["parse"] = time.perf_counter() - t0

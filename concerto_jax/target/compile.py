@@ -136,6 +136,10 @@ class CompileOptions:
             opts["xla_gpu_threshold_for_windowed_einsum_mib"] = int(self.windowed_einsum_mib)
         if dump_dir is not None:
             opts["xla_dump_to"] = dump_dir
+            # constants of more than a few elements are written "{...}" otherwise (a
+            # partition-offset table of a 16-device mesh, a model's constant arrays), and
+            # a module parsed back from the dump would hold other values
+            opts["xla_dump_large_constants"] = True
             opts["xla_dump_hlo_pass_re"] = "|".join(
                 (["spmd-partitioning"] if self.dump_spmd else []) + ["latency-hiding-scheduler"]
                 + ([SCHEDULED_PASS] if self.dump_scheduled else []))

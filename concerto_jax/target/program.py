@@ -266,7 +266,8 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
     stock_text = stock.final_text
     _dump(options.dump_dir, "captured.hlo", stock.post_spmd_text)
     _dump(options.dump_dir, "stock_final.hlo", stock_text)
-    run = functools.partial(_backend_only, guard_rewrites=guard_rewrites) if via == "backend_only" else _pinned
+    run = (functools.partial(_backend_only, guard_rewrites=guard_rewrites, lowered=lowered)
+           if via == "backend_only" else _pinned)
     try:
         out = run(stock, options, cluster, cost_model, seconds)
     except Exception as e:  # noqa: BLE001 - never stuck: report the stock program
@@ -311,7 +312,8 @@ PLAN_PASSES = frozenset({"schedule", "pin"})
 scheduled module and "pin" is not used; every other pass rewrites the post-SPMD module first."""
 
 
-def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewrites: bool = True) -> dict:
+def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewrites: bool = True,
+                  lowered=None) -> dict:
     """The backend-only path (module docstring); raises on any failure (the caller falls back).
 
     With ``guard_rewrites``, a program rewritten by the passes before XLA (decompose,
@@ -381,11 +383,21 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
             rewritten = False
     if options.combine_thresholds and options.passes:
         t0 = time.perf_counter()
-        program = pre.text if rewritten else pipeline.run(  # replicated per-device form
-            stock.post_spmd_text, dataclasses.replace(options, passes=())).text
         current = planned_judged.us if planned_judged is not None else judge_module(
             plan["handed"], cost_model).us
-        tuned = _tune_combiners(program, devices, env, options, cost_model, current)
+        if rewritten:  # our program: XLA's pipeline on the replicated per-device module
+            def scheduled_at(env_t):
+                _, _, _, src = compile_replicated_for_target(pre.text, devices, env_t, after_lhs=True)
+                opts = replicated_compile_options(devices)
+                opts.env_option_overrides = list(env_t.items())
+                return src, opts.SerializeAsString()
+        else:  # the step itself: XLA's SPMD compile of it, as the stock compile
+            def scheduled_at(env_t):
+                again = compile_lowered(lowered, cluster, CompileOptions(
+                    dump_lhs=True, dump_spmd=False, dump_scheduled=True, extra=tuple(env_t.items())))
+                return (again.scheduled_text or again.after_lhs_text, pjrt_c.spmd_compile_options(
+                    len(devices), env_t, device_ids=[d.id for d in devices]))
+        tuned = _tune_combiners(scheduled_at, env, options, cost_model, current)
         seconds["combine_thresholds"] = time.perf_counter() - t0
         records.append(tuned["record"])
         if tuned["plan"] is not None:
@@ -404,20 +416,25 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
                 scheduled=handed, passes=records, pins=0, via="backend_only", **plan["memory"])
 
 
-COMBINE_THRESHOLD_FLAGS = (
-    "xla_gpu_all_reduce_combine_threshold_bytes",
-    "xla_gpu_all_gather_combine_threshold_bytes",
-    "xla_gpu_reduce_scatter_combine_threshold_bytes",
-)
-"""XLA's collective combiners: collectives of one kind are merged up to this many bytes."""
+COMBINED_KINDS = ("all-reduce", "all-gather", "reduce-scatter")
+"""Collective kinds whose XLA combine threshold ``Options.combine_thresholds`` sets
+(``autoccl.knobs.gpu_combine_threshold_options``, the flags AutoCCL's online stage 1 tunes)."""
 
 
-def _tune_combiners(program: str, devices, env: dict, options, cost_model, current_us: float) -> dict:
-    """Plan ``program`` once per ``options.combine_thresholds`` (XLA's all-reduce, all-gather
+def combine_threshold_options(nbytes: int) -> dict[str, int]:
+    """XLA compiler options setting every combiner of ``COMBINED_KINDS`` to ``nbytes``."""
+    from concerto_jax.autoccl.knobs import gpu_combine_threshold_options
+
+    return gpu_combine_threshold_options(dict.fromkeys(COMBINED_KINDS, int(nbytes)))
+
+
+def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: float) -> dict:
+    """Plan the program once per ``options.combine_thresholds`` (XLA's all-reduce, all-gather
     and reduce-scatter combine thresholds set to that many bytes, on top of the user's
-    compiler options) and keep the fastest plan if it beats ``current_us`` (the plan at the
-    user's settings). One XLA compile and one reschedule per candidate; a candidate that
-    fails (compile, memory limit) is skipped and recorded.
+    compiler options ``env``) and keep the fastest plan if it beats ``current_us`` (the plan
+    at the user's settings). ``scheduled_at(env) -> (XLA's scheduled module, serialized
+    compile options of the backend compile)``: one XLA compile per candidate, then one
+    reschedule; a candidate that fails (compile, memory limit) is skipped and recorded.
 
     XLA merges small collectives of one kind into buckets up to its threshold, so that
     a step pays fewer launches and latencies; but a bucket waits for its last member, and
@@ -431,16 +448,15 @@ def _tune_combiners(program: str, devices, env: dict, options, cost_model, curre
       "compile_options", "judged"}``; the last four None when no candidate beats the
       current plan.
     """
-    from concerto_jax.executor import replicated_compile_options
     from concerto_jax.report import PassRecord
     from concerto_jax.target.fidelity import judge_module
 
     t0 = time.perf_counter()
     tried, best = [], None
     for size in options.combine_thresholds:
-        env_t = {**env, **dict.fromkeys(COMBINE_THRESHOLD_FLAGS, int(size))}
+        env_t = {**env, **combine_threshold_options(size)}
         try:
-            _, _, _, src = compile_replicated_for_target(program, devices, env_t, after_lhs=True)
+            src, compile_options = scheduled_at(env_t)
             if src is None:
                 raise RuntimeError("XLA wrote no scheduled module")
             plan = _plan_on(src, options, cost_model, {})
@@ -450,9 +466,9 @@ def _tune_combiners(program: str, devices, env: dict, options, cost_model, curre
             continue
         tried.append({"bytes": int(size), "planned_us": round(judged.us, 1)})
         if judged.us < current_us and (best is None or judged.us < best[0].us):
-            best = (judged, plan, src, env_t, int(size))
+            best = (judged, plan, src, compile_options, int(size))
     stats = {"target": options.target, "current_planned_us": round(current_us, 1),
-             "candidates": tried, "flags": list(COMBINE_THRESHOLD_FLAGS),
+             "candidates": tried, "flags": sorted(combine_threshold_options(0)),
              "chosen_bytes": None if best is None else best[4]}
     if best is not None:
         log.info("compile_for_target: combine thresholds of %d B plan %.1f us vs %.1f us at the "
@@ -461,11 +477,9 @@ def _tune_combiners(program: str, devices, env: dict, options, cost_model, curre
     if best is None:
         return {"record": record, "plan": None, "scheduled": None, "compile_options": None,
                 "judged": None}
-    judged, plan, src, env_t, _ = best
-    opts = replicated_compile_options(devices)
-    opts.env_option_overrides = list(env_t.items())
+    judged, plan, src, compile_options, _ = best
     return {"record": record, "plan": plan, "scheduled": src,
-            "compile_options": opts.SerializeAsString(), "judged": judged}
+            "compile_options": compile_options, "judged": judged}
 
 
 def _plan_on(scheduled_src: str, options, cost_model, seconds: dict) -> dict:
