@@ -76,9 +76,9 @@ class RegionScore:
     """A region's case for a split into ``n`` (cost-model µs, one step).
 
     Attributes:
-      comm_us: time of the region's collectives that a GEMM or another collective of the
-        region waits for: the communication that chunk ``k`` can overlap with another
-        chunk's compute once split, and that nothing else would hide.
+      comm_us: time of the region's collectives that a GEMM waits for: the communication
+        that chunk ``k`` can overlap with another chunk's compute once split, and that
+        nothing else would hide.
       overhead_us: the memory passes the split adds: every partial member's ``n - 1``
         additions (read two, write one output each, at the accumulation width), every
         sliced outside operand (read once, written once in slices), every
@@ -120,8 +120,9 @@ def score_region(region: Region, n: int, cost_model, num_devices: int,
                 carried_in.setdefault(g.tuple_index, []).append(g)
 
     def gating(inst) -> bool:
-        """A GEMM or a collective waits for ``inst`` (in a loop body: also in the next
-        iteration, through the loop state)."""
+        """A GEMM waits for ``inst`` (in a loop body: also in the next iteration, through
+        the loop state). Not a collective: every gradient reaches the all-reduce of a
+        global-norm clip, which would make every gradient collective look critical."""
         seen = {id(inst)}
         stack = [inst]
         while stack:
@@ -131,7 +132,7 @@ def score_region(region: Region, n: int, cost_model, num_devices: int,
                 nxt += [g for j, op in enumerate(root.operands) if op is node
                         for g in carried_in.get(j, ())]
             for user in nxt:
-                if user.opcode in ("dot", "convolution") or user.is_collective:
+                if user.opcode in ("dot", "convolution"):
                     return True
                 if id(user) not in seen:
                     seen.add(id(user))
@@ -140,7 +141,7 @@ def score_region(region: Region, n: int, cost_model, num_devices: int,
 
     comm = 0.0
     for inst, plan in region.plans.items():
-        # only communication that a GEMM or a collective waits for is worth a split: one
+        # only communication that a GEMM waits for is worth a split: one
         # whose result only goes to an accumulator or out of the step (a data-parallel
         # weight gradient before the optimizer) overlaps the rest of the step unsplit
         if inst.is_collective and plan.partial is None and gating(inst):
