@@ -81,8 +81,10 @@ class RegionScore:
         nothing else would hide.
       overhead_us: the memory passes the split adds: every partial member's ``n - 1``
         additions (read two, write one output each, at the accumulation width), every
-        sliced outside operand (read once, written once in slices), every
-        concatenation for users outside.
+        sliced outside operand (read once, written once in slices; a broadcast at its
+        operand's size), the ``n - 1`` extra reads of what a split dot or convolution
+        reads whole, every concatenation for users outside (none for ``free``
+        instructions: loop state carried in chunks).
       score_us: ``comm_us - overhead_us``.
     """
 
