@@ -35,6 +35,7 @@ from collections.abc import Callable
 from hlo_passes import attributes as _attrs
 from hlo_passes.errors import HloError
 from hlo_passes.instruction import Instruction
+from hlo_passes.loops import loop_state_problem
 from hlo_passes.shapes import Shape
 
 __all__ = ["SplitPlan", "SplitResult", "split_instructions", "split_while_body",
@@ -349,27 +350,6 @@ def split_instructions(comp, plans: dict[Instruction, SplitPlan], n: int,
 # -- loop-carried chunks ---------------------------------------------------------------------
 
 
-def _while_problem(w: Instruction) -> str | None:
-    """Why the loop state of ``w`` cannot be re-chunked (None if it can)."""
-    body, cond = w.attr("body"), w.attr("condition")
-    module = body.module
-    if not w.shape.is_tuple or len(w.operands) != 1:
-        return "the loop state is not one tuple"
-    if w is w.parent.root or any(u.opcode != "get-tuple-element" for u in w.users):
-        return "the loop result is used as a whole (not only through get-tuple-element)"
-    callers = [i for i in module.instructions() for c in i.called_computations
-               if c is body or c is cond]
-    if len(callers) != 2:
-        return "the body or condition is shared with another instruction"
-    for comp in (body, cond):
-        if len(comp.parameters) != 1 or any(
-                u.opcode != "get-tuple-element" for u in comp.parameters[0].users):
-            return f"%{comp.name} uses its loop state other than through get-tuple-element"
-    if body.root is None or body.root.opcode != "tuple":
-        return "the body does not return a tuple instruction"
-    return None
-
-
 def carried_splits(w: Instruction, plans: dict[Instruction, SplitPlan], n: int) -> dict[int, int]:
     """Elements of ``w``'s loop state that can be carried as ``n`` chunks when its body is
     split by ``plans``: tuple index -> the split dimension.
@@ -381,7 +361,7 @@ def carried_splits(w: Instruction, plans: dict[Instruction, SplitPlan], n: int) 
     the condition does not read it. Then every iteration's slices of it and concatenation
     of it are gone: the chunks stay apart for the whole loop (``split_while_body``).
     """
-    if _while_problem(w) is not None:
+    if loop_state_problem(w) is not None:
         return {}
     body, cond = w.attr("body"), w.attr("condition")
     param, root = body.parameters[0], body.root
@@ -494,13 +474,12 @@ def split_while_body(w: Instruction, plans: dict[Instruction, SplitPlan], n: int
             pieces = list(r.operands)
         ops[idx] = pieces[0]
         tail.extend(pieces[1:])
-    old_root_ops = set(map(id, root.operands))
-    dead = [o for o in root.operands if o.opcode == "concatenate"]
+    replaced = [o for o in root.operands if o.opcode == "concatenate"]
     new_shape = Shape.tuple_of(elements + extra)
     root.set_operands(ops + tail)
     root.shape = new_shape
-    for x in dead:
-        if id(x) in old_root_ops and not x.users and x.parent is body:
+    for x in replaced:  # the root's concatenations no longer read
+        if not x.users and x.parent is body:
             body.remove_instruction(x)
     for g in original.values():
         if not g.users:

@@ -262,3 +262,27 @@ def _pattern(inst: Instruction, body: Computation, cond: Computation) -> dict:
                        induction_index=k, init=init, step=step)
     return dict(trip_count=max(int(trips), 0), source="pattern", induction_index=k, init=init,
                 step=step)
+
+
+def loop_state_problem(inst: Instruction) -> str | None:
+    """Why the loop state of ``while`` ``inst`` cannot be given other elements (None if it
+    can): its result must be read only through ``get-tuple-element``, its body and
+    condition called by it alone and reading their parameter only through
+    ``get-tuple-element``, and its body must return a ``tuple`` instruction."""
+    body, cond = inst.attrs["body"], inst.attrs["condition"]
+    module = body.module
+    if not inst.shape.is_tuple or len(inst.operands) != 1:
+        return "the loop state is not one tuple"
+    if inst is inst.parent.root or any(u.opcode != "get-tuple-element" for u in inst.users):
+        return "the loop result is used as a whole (not only through get-tuple-element)"
+    callers = [i for i in module.instructions() for c in i.called_computations
+               if c is body or c is cond]
+    if len(callers) != 2:
+        return "the body or condition is shared with another instruction"
+    for comp in (body, cond):
+        if len(comp.parameters) != 1 or any(
+                u.opcode != "get-tuple-element" for u in comp.parameters[0].users):
+            return f"%{comp.name} uses its loop state other than through get-tuple-element"
+    if body.root is None or body.root.opcode != "tuple":
+        return "the body does not return a tuple instruction"
+    return None

@@ -34,7 +34,7 @@ import dataclasses
 
 from hlo_passes.computation import Computation
 from hlo_passes.instruction import Instruction
-from hlo_passes.loops import LoopInfo, analyze_while, side_effects
+from hlo_passes.loops import LoopInfo, analyze_while, loop_state_problem, side_effects
 from hlo_passes.shapes import Shape
 
 __all__ = ["PrefetchCandidate", "pipeline_prefetch", "prefetch_candidates"]
@@ -64,10 +64,6 @@ class PrefetchCandidate:
     bytes: int
 
 
-def _callers(module, comp: Computation) -> int:
-    return sum(1 for inst in module.instructions() for c in inst.called_computations if c is comp)
-
-
 def loop_shape_problem(module, inst: Instruction, info: LoopInfo) -> str | None:
     """Why the loop cannot be rewritten (None if it can)."""
     body, cond = module.computation(info.body), module.computation(info.condition)
@@ -75,20 +71,9 @@ def loop_shape_problem(module, inst: Instruction, info: LoopInfo) -> str | None:
         return f"trip count not static ({info.source})"
     if not inst.operands or inst.operands[0].opcode != "tuple":
         return "the initial loop state is not a tuple instruction"
-    if inst is inst.parent.root or any(u.opcode != "get-tuple-element" for u in inst.users):
-        return "the loop result is used as a whole (not only through get-tuple-element)"
-    if _callers(module, body) != 1 or _callers(module, cond) != 1:
-        return "the body or condition is shared with another instruction"
     if side_effects(body) or side_effects(cond):
         return "the body or condition has side effects"
-    for comp in (body, cond):
-        param = comp.parameters[0]
-        if any(u.opcode != "get-tuple-element" for u in param.users):
-            return f"%{comp.name} uses its loop state other than through get-tuple-element"
-    root = body.root
-    if root is None or root.opcode != "tuple":
-        return "the body does not return a tuple instruction"
-    return None
+    return loop_state_problem(inst)
 
 
 def prefetch_candidates(module, inst: Instruction) -> list[PrefetchCandidate]:

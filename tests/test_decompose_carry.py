@@ -10,13 +10,19 @@ weights read by the counter and a stacked weight-gradient accumulator (a partial
 whole, summed over the chunks); trip counts 1, 2 and 3.
 """
 
+import warnings
+
 import numpy as np
 import pytest
 
+import concerto_jax
 import hlo_passes
+import models
 from concerto_jax.costmodel import CostModel, get_cluster
+from concerto_jax.decompose import DecomposeOptions
 from concerto_jax.decompose.region import build_region, grow_through_carries, score_region
 from hlo_passes.decompose_rewrite import carried_splits, max_channel_id, split_while_body
+from tests._helpers import FAST, FULL_SCAN_MATRIX, run_bitwise_steps
 from tests.test_decompose_rules import _inputs, _run
 
 _STATE = "(s32[], f32[8,4]{1,0}, f32[@TRIPS@,4,4]{2,1,0}, f32[@TRIPS@,4,4]{2,1,0}, f32[8,4]{1,0})"
@@ -152,11 +158,6 @@ def test_concatenated_input_is_not_sliced_again():
 
 # -- every scanned model x layout through the pass ----------------------------------------------
 
-import concerto_jax  # noqa: E402
-import models  # noqa: E402
-from concerto_jax.decompose import DecomposeOptions  # noqa: E402
-from tests._helpers import FAST, FULL_SCAN_MATRIX, run_bitwise_steps  # noqa: E402
-
 _SCANNED = [(m, lay) for m, lay in models.list_cases() if m in ("gpt", "vit", "evoformer")]
 # TP (activation all-reduces in the layer loops: carried in chunks) by default; every model x
 # layout with CONCERTO_FULL_SCAN_MATRIX=1 (Evoformer compiles take ~1 min each).
@@ -179,7 +180,6 @@ def test_scanned_steps_with_decompose_close_to_plain_jit(model, layout):
     step = concerto_jax.optimize(case.step, concerto_jax.Options(
         passes=("decompose", "schedule"), compiler_options=FAST, scheduler=fast,
         check_first_step=True, decompose=DecomposeOptions()))
-    import warnings
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         step(case.init_state(0), case.batch)  # compiles; the first-step check runs

@@ -113,40 +113,13 @@ def score_region(region: Region, n: int, cost_model, num_devices: int,
     from concerto_jax.hlo_taskgraph import _groups
 
     bw = cost_model.gpu.hbm_bytes_per_s / 1e6  # bytes per µs
-    comp = region.collective.parent
-    root = comp.root
-    carried_in: dict = {}  # in a loop body: tuple index -> the get-tuple-elements reading it
-    if loop_body and comp.parameters and root is not None and root.opcode == "tuple":
-        for g in comp.parameters[0].users:
-            if g.opcode == "get-tuple-element":
-                carried_in.setdefault(g.tuple_index, []).append(g)
-
-    def gating(inst) -> bool:
-        """A GEMM waits for ``inst`` (in a loop body: also in the next iteration, through
-        the loop state). Not a collective: every gradient reaches the all-reduce of a
-        global-norm clip, which would make every gradient collective look critical."""
-        seen = {id(inst)}
-        stack = [inst]
-        while stack:
-            node = stack.pop()
-            nxt = list(node.users)
-            if node is root or root in node.users:
-                nxt += [g for j, op in enumerate(root.operands) if op is node
-                        for g in carried_in.get(j, ())]
-            for user in nxt:
-                if user.opcode in ("dot", "convolution"):
-                    return True
-                if id(user) not in seen:
-                    seen.add(id(user))
-                    stack.append(user)
-        return False
-
+    waited = _gemm_waits_for(region.collective.parent, loop_body)
     comm = 0.0
     for inst, plan in region.plans.items():
         # only communication that a GEMM waits for is worth a split: one
         # whose result only goes to an accumulator or out of the step (a data-parallel
         # weight gradient before the optimizer) overlaps the rest of the step unsplit
-        if inst.is_collective and plan.partial is None and gating(inst):
+        if inst.is_collective and plan.partial is None and id(inst) in waited:
             comm += cost_model.collective(inst.opcode, payload_bytes(inst),
                                           _groups(inst, num_devices)).time_us
     moved = 0.0
@@ -176,6 +149,32 @@ def score_region(region: Region, n: int, cost_model, num_devices: int,
                 u not in region.plans for u in inst.users):
             moved += 2 * inst.shape.byte_size
     return RegionScore(comm, moved / bw)
+
+
+def _gemm_waits_for(comp, loop_body: bool) -> set:
+    """Ids of the instructions of ``comp`` that some dot or convolution waits for (its
+    ancestors; in a loop body also through the loop state: a value the root returns at
+    index ``j`` is waited for where the next iteration's reads of element ``j`` are). Not
+    collectives: every gradient reaches the all-reduce of a global-norm clip, which would
+    make every gradient collective look critical. One backward walk from the GEMMs."""
+    root = comp.root
+    next_reads: dict = {}  # a get-tuple-element of the loop state -> the root operand it reads
+    if loop_body and comp.parameters and root is not None and root.opcode == "tuple":
+        for g in comp.parameters[0].users:
+            if g.opcode == "get-tuple-element" and g.tuple_index < len(root.operands):
+                next_reads[id(g)] = root.operands[g.tuple_index]
+    waited: set = set()
+    stack = [op for i in comp.instructions if i.opcode in ("dot", "convolution")
+             for op in i.operands]
+    while stack:
+        x = stack.pop()
+        if id(x) in waited:
+            continue
+        waited.add(id(x))
+        stack.extend(x.operands)
+        if id(x) in next_reads:
+            stack.append(next_reads[id(x)])
+    return waited
 
 
 def _sources(coll, axis: int, comp) -> list[tuple[object, int]]:
