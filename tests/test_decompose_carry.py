@@ -201,3 +201,22 @@ def test_scanned_steps_with_decompose_close_to_plain_jit(model, layout):
     if model == "gpt" and layout == "tp":
         assert report.optimized and rec.changed and any(d["carried_in_chunks"] for d in rec.stats["decomposed"]), \
             rec.stats
+
+
+def test_carry_chunks_off_splits_the_body_alone():
+    """``DecomposeOptions(carry_chunks=False)``: the layer loops' bodies are still split (each
+    iteration slices and concatenates its activations), no loop state is re-chunked, and
+    the step stays within the declared tolerance."""
+    case = models.make_case("gpt", "tp", "tiny", scan_layers=True, remat=True)
+    reference = case.step.lower(case.state, case.batch).compile(compiler_options=FAST)
+    fast = concerto_jax.scheduler.ScheduleOptions(full_model_max_tasks=0, odd_even=None)
+    step = concerto_jax.optimize(case.step, concerto_jax.Options(
+        passes=("decompose", "schedule"), compiler_options=FAST, scheduler=fast, fallback=False,
+        check_first_step=True, decompose=DecomposeOptions(carry_chunks=False)))
+    step(case.init_state(0), case.batch)
+    report = step.report()
+    rec = {p.name: p for p in report.passes}["decompose"]
+    assert report.optimized and rec.changed, report.fallback_reason
+    assert rec.stats["decomposed"] and all(not d["carried_in_chunks"]
+                                           for d in rec.stats["decomposed"]), rec.stats
+    run_bitwise_steps(reference, step, case, 1, tolerance=rec.tolerance)
