@@ -138,6 +138,20 @@ def _windowed_einsum(case_name: str, path: str = "bench/results/baseline.csv") -
     return "not measured"
 
 
+def format_thresholds(chosen: dict) -> str:
+    """``{"all-gather": 134217728, "reduce-scatter": 2097152}`` -> ``"AG 128M RS 2M"`` (kinds absent:
+    XLA's setting kept)."""
+    short = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS"}
+
+    def size(b: int) -> str:
+        for unit, n in (("M", 1 << 20), ("K", 1 << 10)):
+            if b >= n and b % n == 0:
+                return f"{b // n}{unit}"
+        return f"{b}B"
+
+    return " ".join(f"{short[k]} {size(v)}" for k, v in sorted(chosen.items(), key=lambda kv: list(short).index(kv[0])))
+
+
 def _case_step(case):
     from bench.baseline import _config
     from concerto_jax.costmodel import get_cluster
@@ -250,15 +264,15 @@ def run_case(case, final_module: bool = True, split_copies: str = "estimate",
     row["s_gain"] = round(stock / results["s"].final_step_us, 4)
     row["sad_gain"] = round(stock / results["sad"].final_step_us, 4)
     recs = {p.name: p.stats for p in results["sad"].passes}
-    chosen = (recs.get("combine_thresholds") or {}).get("chosen_bytes")
-    row["sad_thresholds"] = "" if chosen is None else chosen
+    chosen = (recs.get("combine_thresholds") or {}).get("chosen")
+    row["sad_thresholds"] = "" if chosen is None else format_thresholds(chosen)
     if chosen is not None:  # how much of it the flags alone give stock XLA
-        from concerto_jax.target.program import combine_threshold_options
+        from concerto_jax.autoccl.knobs import gpu_combine_threshold_options
 
         same = concerto_jax.compile_for_target(
             c.step, c.abstract_state, c.abstract_batch, target=case.cluster,
             options=concerto_jax.Options(passes=(), target=case.cluster, compiler_options={
-                **xla, **combine_threshold_options(chosen)}))
+                **xla, **gpu_combine_threshold_options(chosen)}))
         row["stock_same_thresholds_us"] = round(same.stock_step_us, 1)
         row["sad_gain_same_thresholds"] = round(same.stock_step_us / results["sad"].final_step_us, 4)
     row["windowed_einsum"] = _windowed_einsum(case.name)

@@ -70,8 +70,14 @@ class Options:
     # all-reduce / all-gather / reduce-scatter combine thresholds at each of these byte
     # sizes (one XLA compile each) and keep the fastest plan if it beats the one at the
     # given compiler options (TargetResult.passes: the "combine_thresholds" record).
-    # XLA's buckets wait for their last member; smaller ones overlap earlier. () : off.
-    combine_thresholds: tuple[int, ...] = (8 << 20, 2 << 20, 512 << 10)
+    # XLA's buckets wait for their last member; smaller ones overlap earlier, bigger ones
+    # pay fewer latencies. () : off.
+    combine_thresholds: tuple[int, ...] = (128 << 20, 32 << 20, 8 << 20, 2 << 20, 512 << 10)
+    # Then, where two or more of those kinds carry more bytes than the smallest size, one
+    # round of coordinate descent per kind over the same sizes (a ZeRO-3 step's weight
+    # gathers and gradient reduce-scatters want different sizes): up to
+    # (len(combine_thresholds) + 1) more compiles per such kind.
+    combine_per_kind: bool = True
 
     def __post_init__(self):
         from concerto_jax.pipeline import pass_names

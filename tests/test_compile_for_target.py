@@ -263,7 +263,7 @@ def test_combine_thresholds_keep_the_fastest_plan():
     # A data-parallel step with one 4 MiB gradient all-reduce per layer: XLA combines them up
     # to its threshold; candidates of 1 B (nothing combined) and 8 MiB are planned too, and
     # the fastest plan is compiled. Whatever wins, the record, the figures and the final
-    # module agree.
+    # module agree. One kind (all-reduce) only: no per-kind round.
     from concerto_jax.target.program import combine_threshold_options
 
     step, args = _dp_mlp()
@@ -274,20 +274,76 @@ def test_combine_thresholds_keep_the_fastest_plan():
         base, combine_thresholds=(1, 8 << 20)))
     rec = next(p for p in tuned.passes if p.name == "combine_thresholds")
     assert rec.stats["flags"] == sorted(combine_threshold_options(0)) and len(rec.stats["flags"]) == 3
-    assert [c["bytes"] for c in rec.stats["candidates"]] == [1, 8 << 20]
+    assert rec.stats["kind_bytes"]["all-reduce"] >= 6 * 4 << 20, rec.stats["kind_bytes"]
+    assert rec.stats["kind_bytes"]["all-gather"] == rec.stats["kind_bytes"]["reduce-scatter"] == 0
+    # one kind: the uniform sizes are its sizes, no per-kind round
+    assert rec.stats["varied_kinds"] == ["all-reduce"] and not rec.stats["per_kind_round"]
+    # a candidate names only the kinds present in the module
+    assert [c["thresholds"] for c in rec.stats["candidates"]] == [{"all-reduce": 1}, {"all-reduce": 8 << 20}]
     assert all("planned_us" in c for c in rec.stats["candidates"]), rec.stats
     current = rec.stats["current_planned_us"]
     assert current == pytest.approx(plain.planned_step_us, abs=0.11)
     best = min(rec.stats["candidates"], key=lambda c: c["planned_us"])
     if best["planned_us"] < current:
-        assert rec.changed and rec.stats["chosen_bytes"] == best["bytes"]
+        assert rec.changed and rec.stats["chosen"] == best["thresholds"]
         assert tuned.planned_step_us == pytest.approx(best["planned_us"], abs=0.11)
     else:
-        assert not rec.changed and rec.stats["chosen_bytes"] is None
+        assert not rec.changed and rec.stats["chosen"] is None
         assert tuned.planned_step_us == pytest.approx(current, abs=0.11)
     assert tuned.planned_step_us <= plain.planned_step_us + 0.11
     # nothing combined: one all-reduce per gradient in XLA's final module
-    if rec.stats["chosen_bytes"] == 1:
+    if rec.stats["chosen"] == {"all-reduce": 1}:
         assert tuned.final_text.count("all-reduce-start(") >= 6
     with pytest.raises(ValueError, match="combine_thresholds"):
         concerto_jax.Options(combine_thresholds=(-1,))
+
+
+def _fsdp_mlp(layers: int = 4):
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = concerto_jax.target_mesh("h100_sxm_8", (8,), ("dp",))
+
+    def loss(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w)
+        return jnp.mean(x ** 2)
+
+    wsh = NamedSharding(mesh, P("dp", None))
+    ws = [jax.ShapeDtypeStruct((1024, 1024), jnp.float32, sharding=wsh) for _ in range(layers)]
+    x = jax.ShapeDtypeStruct((4096, 1024), jnp.float32, sharding=NamedSharding(mesh, P("dp", None)))
+    return jax.jit(jax.grad(loss), out_shardings=[wsh] * layers), (ws, x)
+
+
+@needs_plugin
+def test_combine_thresholds_per_kind_descent():
+    # An FSDP step: weight all-gathers and gradient reduce-scatters, two kinds with bytes. After
+    # the uniform sizes, one round of coordinate descent per kind (largest first): each of its
+    # candidates changes one kind of the best setting so far, and the kept plan is the fastest
+    # candidate when one beats the given settings.
+    step, args = _fsdp_mlp()
+    opts = concerto_jax.Options(passes=("schedule",), fallback=False, combine_thresholds=(1, 8 << 20))
+    res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=opts)
+    rec = next(p for p in res.passes if p.name == "combine_thresholds")
+    kinds = rec.stats["kind_bytes"]
+    assert kinds["all-gather"] > 0 and kinds["reduce-scatter"] > 0, kinds
+    assert set(rec.stats["varied_kinds"]) == {"all-gather", "reduce-scatter"}, rec.stats
+    assert rec.stats["per_kind_round"]
+    cands = rec.stats["candidates"]
+    uniform, descent = cands[:2], cands[2:]
+    assert [set(c["thresholds"].values()) for c in uniform] == [{1}, {8 << 20}]
+    assert descent, rec.stats
+    keys = [tuple(sorted(c["thresholds"].items())) for c in cands]
+    assert len(set(keys)) == len(keys), "a setting was compiled twice"
+    for i, c in enumerate(descent):  # each differs in one kind from the given settings or from
+        # an earlier candidate (the best so far when it was tried)
+        earlier = [{}] + [d["thresholds"] for d in cands[:2 + i]]
+        assert any(sum(c["thresholds"].get(k) != e.get(k) for k in kinds) == 1 for e in earlier), c
+    best = min((c for c in cands if "planned_us" in c), key=lambda c: c["planned_us"])
+    if best["planned_us"] < rec.stats["current_planned_us"]:
+        assert rec.changed and rec.stats["chosen"] == best["thresholds"]
+        assert res.planned_step_us == pytest.approx(best["planned_us"], abs=0.11)
+    else:
+        assert not rec.changed and rec.stats["chosen"] is None

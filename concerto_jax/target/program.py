@@ -397,7 +397,7 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
                     dump_lhs=True, dump_spmd=False, dump_scheduled=True, extra=tuple(env_t.items())))
                 return (again.scheduled_text or again.after_lhs_text, pjrt_c.spmd_compile_options(
                     len(devices), env_t, device_ids=[d.id for d in devices]))
-        tuned = _tune_combiners(scheduled_at, env, options, cost_model, current)
+        tuned = _tune_combiners(scheduled_at, env, options, cost_model, current, scheduled_src)
         seconds["combine_thresholds"] = time.perf_counter() - t0
         records.append(tuned["record"])
         if tuned["plan"] is not None:
@@ -428,51 +428,107 @@ def combine_threshold_options(nbytes: int) -> dict[str, int]:
     return gpu_combine_threshold_options(dict.fromkeys(COMBINED_KINDS, int(nbytes)))
 
 
-def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: float) -> dict:
-    """Plan the program once per ``options.combine_thresholds`` (XLA's all-reduce, all-gather
-    and reduce-scatter combine thresholds set to that many bytes, on top of the user's
-    compiler options ``env``) and keep the fastest plan if it beats ``current_us`` (the plan
-    at the user's settings). ``scheduled_at(env) -> (XLA's scheduled module, serialized
-    compile options of the backend compile)``: one XLA compile per candidate, then one
-    reschedule; a candidate that fails (compile, memory limit) is skipped and recorded.
+def _kind_bytes(text: str) -> dict[str, int]:
+    """Bytes of every collective of each ``COMBINED_KINDS`` kind in the module ``text`` (sync
+    ops and async starts; a start's tuple counts operands and results, an over-estimate)."""
+    from hlo_passes.parser import parse_module
 
-    XLA merges small collectives of one kind into buckets up to its threshold, so that
-    a step pays fewer launches and latencies; but a bucket waits for its last member, and
-    the last gradients of a step (or the first weights of a ZeRO-3 step) then leave the
-    whole bucket exposed. Which size pays depends on the program and on our order of it,
-    so it is judged by the plan (the same judge as the rewrite guard). AutoCCL (NSDI'25)
-    tunes such settings online on the GPU; without a GPU the plan is the measurement.
+    out = dict.fromkeys(COMBINED_KINDS, 0)
+    for comp in parse_module(text).computations:
+        for inst in comp.instructions:
+            kind = inst.opcode.removesuffix("-start")
+            if kind in out:
+                out[kind] += inst.shape.byte_size
+    return out
+
+
+def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: float,
+                    current_src: str) -> dict:
+    """Plan the program at other XLA combine thresholds and keep the fastest plan if it beats
+    ``current_us`` (the plan at the user's settings, of XLA's scheduled module ``current_src``).
+
+    Two stages, each candidate one XLA compile (``scheduled_at(env) -> (XLA's scheduled module,
+    serialized compile options of the backend compile)``) and one reschedule, judged as the
+    rewrite guard judges (``fidelity.judge_module``):
+
+    1. uniform: XLA's all-reduce, all-gather and reduce-scatter thresholds all set to each
+       size of ``options.combine_thresholds``;
+    2. per kind (``options.combine_per_kind``, where two or more kinds are present): one round
+       of coordinate descent from the best so far, each kind in turn at every size and at the
+       given setting, the others held. A kind whose collectives hold no more bytes in all
+       than the smallest size is left as it is (every size combines it alike).
+
+    XLA merges small collectives of one kind into buckets up to its threshold, so that a step
+    pays fewer launches and latencies; but a bucket waits for its last member, and the last
+    gradients of a step (or the first weights of a ZeRO-3 step) then leave the whole bucket
+    exposed. The best size differs per kind (a ZeRO-3 step's forward weight gathers want few
+    big buckets, its backward reduce-scatters small ones) and is not monotonic in the size
+    (bucket boundaries against layer boundaries), so it is judged by the plan. AutoCCL
+    (NSDI'25) tunes such settings online on the GPU; without a GPU the plan is the
+    measurement. A candidate that fails (compile, memory limit) is skipped and recorded.
 
     Returns:
       ``{"record": PassRecord("combine_thresholds", ...), "plan", "scheduled",
       "compile_options", "judged"}``; the last four None when no candidate beats the
-      current plan.
+      current plan. The record's ``chosen`` is ``{kind: bytes}`` for the kinds set (absent
+      kinds: the given setting), None when nothing beat the current plan.
     """
+    from concerto_jax.autoccl.knobs import gpu_combine_threshold_options
     from concerto_jax.report import PassRecord
+    from concerto_jax.scheduler.progress import Progress
     from concerto_jax.target.fidelity import judge_module
 
     t0 = time.perf_counter()
-    tried, best = [], None
-    for size in options.combine_thresholds:
-        env_t = {**env, **combine_threshold_options(size)}
+    progress = Progress(log, "compile_for_target: combine thresholds")
+    sizes = tuple(int(b) for b in options.combine_thresholds)
+    given = _kind_bytes(current_src)
+    present = [k for k in COMBINED_KINDS if given[k] > 0]
+    tried: list[dict] = []
+    seen: set = set()
+    best = None  # (judged, plan, src, compile_options, setting)
+
+    def attempt(setting: dict[str, int]) -> None:
+        nonlocal best
+        key = tuple(sorted((k, v) for k, v in setting.items() if k in present))
+        if not key or key in seen:  # nothing set on a present kind: the current plan
+            return
+        seen.add(key)
+        entry = {"thresholds": dict(key)}
         try:
-            src, compile_options = scheduled_at(env_t)
+            src, compile_options = scheduled_at({**env, **gpu_combine_threshold_options(setting)})
             if src is None:
                 raise RuntimeError("XLA wrote no scheduled module")
             plan = _plan_on(src, options, cost_model, {})
             judged = judge_module(plan["handed"], cost_model)
         except Exception as e:  # noqa: BLE001 - one candidate; the others and the current plan stand
-            tried.append({"bytes": int(size), "error": f"{type(e).__name__}: {str(e)[:200]}"})
-            continue
-        tried.append({"bytes": int(size), "planned_us": round(judged.us, 1)})
+            tried.append({**entry, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            return
+        tried.append({**entry, "planned_us": round(judged.us, 1)})
         if judged.us < current_us and (best is None or judged.us < best[0].us):
-            best = (judged, plan, src, compile_options, int(size))
+            best = (judged, plan, src, compile_options, dict(key))
+        progress.update(candidates=len(tried), given_us=current_us,
+                        best_us=current_us if best is None else best[0].us)
+
+    for size in sizes:
+        attempt(dict.fromkeys(COMBINED_KINDS, size))
+    varied = [k for k in present if sizes and given[k] > min(sizes)]
+    per_kind = options.combine_per_kind and len(varied) >= 2
+    if per_kind:
+        for kind in sorted(varied, key=lambda k: -given[k]):
+            for size in (*sizes, None):
+                base = dict(best[4]) if best is not None else {}
+                if size is None:
+                    base.pop(kind, None)
+                else:
+                    base[kind] = size
+                attempt(base)
+    chosen = None if best is None else best[4]
     stats = {"target": options.target, "current_planned_us": round(current_us, 1),
-             "candidates": tried, "flags": sorted(combine_threshold_options(0)),
-             "chosen_bytes": None if best is None else best[4]}
+             "kind_bytes": given, "varied_kinds": varied, "per_kind_round": per_kind,
+             "candidates": tried, "flags": sorted(combine_threshold_options(0)), "chosen": chosen}
     if best is not None:
-        log.info("compile_for_target: combine thresholds of %d B plan %.1f us vs %.1f us at the "
-                 "given settings: kept", best[4], best[0].us, current_us)
+        log.info("compile_for_target: combine thresholds %s plan %.1f us vs %.1f us at the given "
+                 "settings: kept", chosen, best[0].us, current_us)
     record = PassRecord("combine_thresholds", best is not None, time.perf_counter() - t0, stats)
     if best is None:
         return {"record": record, "plan": None, "scheduled": None, "compile_options": None,
