@@ -96,6 +96,8 @@ class Options:
         if any(not isinstance(b, int) or b < 0 for b in self.combine_thresholds):
             raise ValueError(f"combine_thresholds must be byte sizes >= 0, got "
                              f"{self.combine_thresholds!r}")
+        if not isinstance(self.combine_per_kind, bool):
+            raise TypeError(f"combine_per_kind must be True or False, got {self.combine_per_kind!r}")
         if self.check_first_step not in (True, False, "auto"):
             raise ValueError(
                 f"check_first_step must be True, False or 'auto', got {self.check_first_step!r}")

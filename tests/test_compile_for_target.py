@@ -296,6 +296,8 @@ def test_combine_thresholds_keep_the_fastest_plan():
         assert tuned.final_text.count("all-reduce-start(") >= 6
     with pytest.raises(ValueError, match="combine_thresholds"):
         concerto_jax.Options(combine_thresholds=(-1,))
+    with pytest.raises(TypeError, match="combine_per_kind"):
+        concerto_jax.Options(combine_per_kind="yes")
 
 
 def _fsdp_mlp(layers: int = 4):
