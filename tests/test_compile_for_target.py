@@ -326,7 +326,8 @@ def test_combine_thresholds_per_kind_descent():
     # candidates changes one kind of the best setting so far, and the kept plan is the fastest
     # candidate when one beats the given settings.
     step, args = _fsdp_mlp()
-    opts = concerto_jax.Options(passes=("schedule",), fallback=False, combine_thresholds=(1, 8 << 20))
+    opts = concerto_jax.Options(passes=("schedule",), fallback=False,
+                                combine_thresholds=(1, 8 << 20, 64 << 20))
     res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=opts)
     rec = next(p for p in res.passes if p.name == "combine_thresholds")
     kinds = rec.stats["kind_bytes"]
@@ -334,14 +335,14 @@ def test_combine_thresholds_per_kind_descent():
     assert set(rec.stats["varied_kinds"]) == {"all-gather", "reduce-scatter"}, rec.stats
     assert rec.stats["per_kind_round"]
     cands = rec.stats["candidates"]
-    uniform, descent = cands[:2], cands[2:]
-    assert [set(c["thresholds"].values()) for c in uniform] == [{1}, {8 << 20}]
+    uniform, descent = cands[:3], cands[3:]
+    assert [set(c["thresholds"].values()) for c in uniform] == [{1}, {8 << 20}, {64 << 20}]
     assert descent, rec.stats
     keys = [tuple(sorted(c["thresholds"].items())) for c in cands]
     assert len(set(keys)) == len(keys), "a setting was compiled twice"
     for i, c in enumerate(descent):  # each differs in one kind from the given settings or from
         # an earlier candidate (the best so far when it was tried)
-        earlier = [{}] + [d["thresholds"] for d in cands[:2 + i]]
+        earlier = [{}] + [d["thresholds"] for d in cands[:3 + i]]
         assert any(sum(c["thresholds"].get(k) != e.get(k) for k in kinds) == 1 for e in earlier), c
     best = min((c for c in cands if "planned_us" in c), key=lambda c: c["planned_us"])
     if best["planned_us"] < rec.stats["current_planned_us"]:
@@ -349,3 +350,16 @@ def test_combine_thresholds_per_kind_descent():
         assert res.planned_step_us == pytest.approx(best["planned_us"], abs=0.11)
     else:
         assert not rec.changed and rec.stats["chosen"] is None
+    # a size skipped in the round combined that kind as the size held then (same collectives)
+    at = rec.stats["collectives_at"]
+    assert set(at) == {"given", 1, 8 << 20, 64 << 20}, at
+    assert at[1]["all-gather"] > at[64 << 20]["all-gather"]  # 1 B: nothing combined
+    # the four 4 MiB weight gathers: one bucket at 64 MiB as at XLA's default (measured), so
+    # the round skips one of the two
+    assert rec.stats["skipped"], rec.stats
+    for sk in rec.stats["skipped"]:
+        held = "given" if sk["same_buckets_as"] is None else sk["same_buckets_as"]
+        size = "given" if sk["bytes"] is None else sk["bytes"]
+        assert at[size][sk["kind"]] == at[held][sk["kind"]], (sk, at)
+        assert not any(c["thresholds"].get(sk["kind"]) == sk["bytes"] for c in descent
+                       if sk["bytes"] is not None), sk

@@ -428,18 +428,22 @@ def combine_threshold_options(nbytes: int) -> dict[str, int]:
     return gpu_combine_threshold_options(dict.fromkeys(COMBINED_KINDS, int(nbytes)))
 
 
-def _kind_bytes(text: str) -> dict[str, int]:
-    """Bytes of every collective of each ``COMBINED_KINDS`` kind in the module ``text`` (sync
-    ops and async starts; a start's tuple counts operands and results, an over-estimate)."""
+def _collectives_by_kind(text: str) -> tuple[dict[str, int], dict[str, tuple]]:
+    """``(bytes, buckets)`` of the collectives of each ``COMBINED_KINDS`` kind in the module
+    ``text`` (sync ops and async starts): bytes in all (a start's tuple counts operands and
+    results, an over-estimate) and the sorted shapes of its collectives, which say how XLA
+    combined them."""
     from hlo_passes.parser import parse_module
 
-    out = dict.fromkeys(COMBINED_KINDS, 0)
+    nbytes = dict.fromkeys(COMBINED_KINDS, 0)
+    shapes: dict[str, list] = {k: [] for k in COMBINED_KINDS}
     for comp in parse_module(text).computations:
         for inst in comp.instructions:
             kind = inst.opcode.removesuffix("-start")
-            if kind in out:
-                out[kind] += inst.shape.byte_size
-    return out
+            if kind in nbytes:
+                nbytes[kind] += inst.shape.byte_size
+                shapes[kind].append(str(inst.shape))
+    return nbytes, {k: tuple(sorted(v)) for k, v in shapes.items()}
 
 
 def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: float,
@@ -456,7 +460,10 @@ def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: fl
     2. per kind (``options.combine_per_kind``, where two or more kinds are present): one round
        of coordinate descent from the best so far, each kind in turn at every size and at the
        given setting, the others held. A kind whose collectives hold no more bytes in all
-       than the smallest size is left as it is (every size combines it alike).
+       than the smallest size is left as it is (every size combines it alike), and a size
+       at which stage 1 (or the given settings) combined that kind into the same buckets as
+       the size held now is skipped (XLA's combiner of one kind groups by that kind's
+       threshold: same buckets, same module), listed under ``skipped``.
 
     XLA merges small collectives of one kind into buckets up to its threshold, so that a step
     pays fewer launches and latencies; but a bucket waits for its last member, and the last
@@ -481,17 +488,19 @@ def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: fl
     t0 = time.perf_counter()
     progress = Progress(log, "compile_for_target: combine thresholds")
     sizes = tuple(int(b) for b in options.combine_thresholds)
-    given = _kind_bytes(current_src)
+    given, given_buckets = _collectives_by_kind(current_src)
     present = [k for k in COMBINED_KINDS if given[k] > 0]
     tried: list[dict] = []
+    skipped: list[dict] = []
     seen: set = set()
+    buckets_at: dict = {None: given_buckets}  # uniform size (None: given) -> buckets per kind
     best = None  # (judged, plan, src, compile_options, setting)
 
-    def attempt(setting: dict[str, int]) -> None:
+    def attempt(setting: dict[str, int]) -> str | None:
         nonlocal best
         key = tuple(sorted((k, v) for k, v in setting.items() if k in present))
         if not key or key in seen:  # nothing set on a present kind: the current plan
-            return
+            return None
         seen.add(key)
         entry = {"thresholds": dict(key)}
         try:
@@ -502,21 +511,29 @@ def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: fl
             judged = judge_module(plan["handed"], cost_model)
         except Exception as e:  # noqa: BLE001 - one candidate; the others and the current plan stand
             tried.append({**entry, "error": f"{type(e).__name__}: {str(e)[:200]}"})
-            return
+            return None
         tried.append({**entry, "planned_us": round(judged.us, 1)})
         if judged.us < current_us and (best is None or judged.us < best[0].us):
             best = (judged, plan, src, compile_options, dict(key))
         progress.update(candidates=len(tried), given_us=current_us,
                         best_us=current_us if best is None else best[0].us)
+        return src
 
     for size in sizes:
-        attempt(dict.fromkeys(COMBINED_KINDS, size))
+        src = attempt(dict.fromkeys(COMBINED_KINDS, size))
+        if src is not None:
+            buckets_at[size] = _collectives_by_kind(src)[1]
     varied = [k for k in present if sizes and given[k] > min(sizes)]
     per_kind = options.combine_per_kind and len(varied) >= 2
     if per_kind:
         for kind in sorted(varied, key=lambda k: -given[k]):
             for size in (*sizes, None):
                 base = dict(best[4]) if best is not None else {}
+                held = base.get(kind)
+                if (size != held and size in buckets_at and held in buckets_at
+                        and buckets_at[size][kind] == buckets_at[held][kind]):
+                    skipped.append({"kind": kind, "bytes": size, "same_buckets_as": held})
+                    continue
                 if size is None:
                     base.pop(kind, None)
                 else:
@@ -525,7 +542,13 @@ def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: fl
     chosen = None if best is None else best[4]
     stats = {"target": options.target, "current_planned_us": round(current_us, 1),
              "kind_bytes": given, "varied_kinds": varied, "per_kind_round": per_kind,
-             "candidates": tried, "flags": sorted(combine_threshold_options(0)), "chosen": chosen}
+             "candidates": tried, "skipped": skipped,
+             # how many collectives of each kind XLA left at each uniform size ("given": the
+             # given settings)
+             "collectives_at": {("given" if b is None else b): {k: len(v[k]) for k in present}
+                                for b, v in buckets_at.items()},
+             "flags": sorted(combine_threshold_options(0)),
+             "chosen": chosen}
     if best is not None:
         log.info("compile_for_target: combine thresholds %s plan %.1f us vs %.1f us at the given "
                  "settings: kept", chosen, best[0].us, current_us)
