@@ -543,9 +543,9 @@ def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: fl
     stats = {"target": options.target, "current_planned_us": round(current_us, 1),
              "kind_bytes": given, "varied_kinds": varied, "per_kind_round": per_kind,
              "candidates": tried, "skipped": skipped,
-             # how many collectives of each kind XLA left at each uniform size ("given": the
-             # given settings)
-             "collectives_at": {("given" if b is None else b): {k: len(v[k]) for k in present}
+             # how many collectives of each kind XLA left at each uniform size (bytes as a
+             # string; "given": the given settings)
+             "collectives_at": {("given" if b is None else str(b)): {k: len(v[k]) for k in present}
                                 for b, v in buckets_at.items()},
              "flags": sorted(combine_threshold_options(0)),
              "chosen": chosen}
