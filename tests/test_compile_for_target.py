@@ -239,7 +239,10 @@ def test_rewrite_guard_keeps_the_faster_of_rewritten_and_plain_plans(monkeypatch
     assert unguarded.planned_step_us == pytest.approx(rewritten, abs=0.11)
 
 
-def _dp_mlp(layers: int = 6):
+def _dp_mlp(layers: int = 6, fsdp: bool = False):
+    """A tanh MLP's gradient step on 8 target devices, the batch split over "dp": weights
+    replicated (gradient all-reduces) or, with ``fsdp``, sharded by rows (weight all-gathers
+    and gradient reduce-scatters)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -252,10 +255,11 @@ def _dp_mlp(layers: int = 6):
             x = jnp.tanh(x @ w)
         return jnp.mean(x ** 2)
 
-    rep = NamedSharding(mesh, P())
-    ws = [jax.ShapeDtypeStruct((1024, 1024), jnp.float32, sharding=rep) for _ in range(layers)]
+    wsh = NamedSharding(mesh, P("dp", None) if fsdp else P())
+    ws = [jax.ShapeDtypeStruct((1024, 1024), jnp.float32, sharding=wsh) for _ in range(layers)]
     x = jax.ShapeDtypeStruct((4096, 1024), jnp.float32, sharding=NamedSharding(mesh, P("dp", None)))
-    return jax.jit(jax.grad(loss)), (ws, x)
+    step = jax.jit(jax.grad(loss), out_shardings=[wsh] * layers) if fsdp else jax.jit(jax.grad(loss))
+    return step, (ws, x)
 
 
 @needs_plugin
@@ -300,32 +304,13 @@ def test_combine_thresholds_keep_the_fastest_plan():
         concerto_jax.Options(combine_per_kind="yes")
 
 
-def _fsdp_mlp(layers: int = 4):
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    mesh = concerto_jax.target_mesh("h100_sxm_8", (8,), ("dp",))
-
-    def loss(ws, x):
-        for w in ws:
-            x = jnp.tanh(x @ w)
-        return jnp.mean(x ** 2)
-
-    wsh = NamedSharding(mesh, P("dp", None))
-    ws = [jax.ShapeDtypeStruct((1024, 1024), jnp.float32, sharding=wsh) for _ in range(layers)]
-    x = jax.ShapeDtypeStruct((4096, 1024), jnp.float32, sharding=NamedSharding(mesh, P("dp", None)))
-    return jax.jit(jax.grad(loss), out_shardings=[wsh] * layers), (ws, x)
-
-
 @needs_plugin
 def test_combine_thresholds_per_kind_descent():
     # An FSDP step: weight all-gathers and gradient reduce-scatters, two kinds with bytes. After
     # the uniform sizes, one round of coordinate descent per kind (largest first): each of its
     # candidates changes one kind of the best setting so far, and the kept plan is the fastest
     # candidate when one beats the given settings.
-    step, args = _fsdp_mlp()
+    step, args = _dp_mlp(layers=4, fsdp=True)
     opts = concerto_jax.Options(passes=("schedule",), fallback=False,
                                 combine_thresholds=(1, 8 << 20, 64 << 20))
     res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=opts)
