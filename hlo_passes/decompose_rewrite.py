@@ -462,7 +462,7 @@ def split_while_body(w: Instruction, plans: dict[Instruction, SplitPlan], n: int
     if not carries:
         return res, carries
     ops, tail = list(root.operands), []
-    for idx, d in sorted(carries.items()):
+    for idx in sorted(carries):
         g = original[idx]
         r = ops[idx]
         if r is g:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from hlo_passes.computation import Computation
 from hlo_passes.instruction import Instruction
 from hlo_passes.loops import LoopInfo, analyze_while, loop_state_problem, side_effects
 from hlo_passes.shapes import Shape
