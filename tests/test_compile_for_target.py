@@ -348,3 +348,9 @@ def test_combine_thresholds_per_kind_descent():
         assert at[size][sk["kind"]] == at[held][sk["kind"]], (sk, at)
         assert not any(c["thresholds"].get(sk["kind"]) == sk["bytes"] for c in descent
                        if sk["bytes"] is not None), sk
+    # combine_per_kind=False: the uniform sizes only
+    off = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=dataclasses.replace(
+        opts, combine_per_kind=False))
+    rec_off = next(p for p in off.passes if p.name == "combine_thresholds")
+    assert not rec_off.stats["per_kind_round"] and not rec_off.stats["skipped"]
+    assert [c["thresholds"] for c in rec_off.stats["candidates"]] == [c["thresholds"] for c in uniform]
