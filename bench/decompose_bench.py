@@ -40,6 +40,11 @@ COLUMNS = ("case", "cluster",
            # XLA's combine thresholds compile_for_target chose for S+AD (Options.combine_thresholds;
            # empty: XLA's defaults kept) and stock XLA compiled with the same thresholds
            "sad_thresholds", "stock_same_thresholds_us", "sad_gain_same_thresholds",
+           # peak live bytes of the entry (the scheduler's memory model, MB) on XLA's final
+           # modules, stock and S+AD, and the limit S+AD's plan was held to
+           # (Options.memory_budget: "xla order" = the peak of XLA's order of the same
+           # program; "xla budget" = XLA's own scheduler limit on the target)
+           "stock_peak_mb", "sad_peak_mb", "sad_memory_limit",
            "windowed_einsum", "status")
 
 
@@ -229,6 +234,7 @@ def run_case(case, final_module: bool = True, split_copies: str = "estimate",
     ``combine_thresholds``: ``Options.combine_thresholds`` (None: the default).
     """
     import concerto_jax
+    from concerto_jax.costmodel import CostModel, get_cluster
     from concerto_jax.decompose.options import DecomposeOptions
 
     dopts = DecomposeOptions(split_copies=split_copies, region_degree=region_degree)
@@ -275,6 +281,13 @@ def run_case(case, final_module: bool = True, split_copies: str = "estimate",
                 **xla, **gpu_combine_threshold_options(chosen)}))
         row["stock_same_thresholds_us"] = round(same.stock_step_us, 1)
         row["sad_gain_same_thresholds"] = round(same.stock_step_us / results["sad"].final_step_us, 4)
+    cm = CostModel(get_cluster(case.cluster))
+    row["stock_peak_mb"] = round(entry_peak_bytes(results["sad"].stock_final_text, cm) / 1e6, 1)
+    row["sad_peak_mb"] = round(entry_peak_bytes(results["sad"].final_text, cm) / 1e6, 1)
+    sched = recs.get("schedule") or {}
+    if sched.get("memory_limit_bytes") is not None:
+        row["sad_memory_limit"] = ("xla order" if sched["memory_limit_bytes"] == sched.get("input_peak_bytes")
+                                   else "xla budget")
     row["windowed_einsum"] = _windowed_einsum(case.name)
     rec = {p["name"] if isinstance(p, dict) else p.name: (p["stats"] if isinstance(p, dict) else p.stats)
            for p in results["sad"].passes}.get("decompose", {})
@@ -282,6 +295,19 @@ def run_case(case, final_module: bool = True, split_copies: str = "estimate",
     fb = results["sad"].fallback_reason or results["s"].fallback_reason
     row["status"] = f"fallback: {fb[:100]}" if fb else "ok"
     return row
+
+
+def entry_peak_bytes(text: str, cost_model) -> int:
+    """Peak live bytes of the entry computation of a scheduled module in its own order (the
+    scheduler's memory model: ``checker.peak_memory`` of the full-speed timeline)."""
+    import hlo_passes
+    from concerto_jax.hlo_taskgraph import build_taskgraph
+    from concerto_jax.scheduler import peak_memory, simulate
+
+    module = hlo_passes.parse_module(text)
+    hg = build_taskgraph(module, cost_model, fold_aliases=False, computation=module.entry)
+    tl = simulate(hg.graph, hg.events)
+    return peak_memory(hg.graph, tl.start, tl.end)
 
 
 def run(cases, out_dir: str = "bench/results", prefix: str = "decompose",

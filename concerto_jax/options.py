@@ -78,6 +78,15 @@ class Options:
     # gathers and gradient reduce-scatters want different sizes): up to
     # (len(combine_thresholds) + 1) more compiles per such kind.
     combine_per_kind: bool = True
+    # compile_for_target: the memory the "schedule" pass may plan with. "xla": up to the
+    # limit XLA's own GPU scheduler holds itself to on the target ((80 % of the device's
+    # memory - parameter and output bytes) x xla_gpu_memory_limit_slop_factor %, 95 by
+    # default), never below the peak of XLA's order; the plan under that budget and the
+    # plan held to XLA's order's peak are both judged and the faster kept (the schedule
+    # record says which, with both peaks). "input": never above the peak of XLA's order
+    # (Options.scheduler's limit alone). Loop bodies and other called computations are
+    # held to their own input order's peak either way.
+    memory_budget: str = "xla"
 
     def __post_init__(self):
         from concerto_jax.pipeline import pass_names
@@ -98,6 +107,8 @@ class Options:
                              f"{self.combine_thresholds!r}")
         if not isinstance(self.combine_per_kind, bool):
             raise TypeError(f"combine_per_kind must be True or False, got {self.combine_per_kind!r}")
+        if self.memory_budget not in ("xla", "input"):
+            raise ValueError(f"memory_budget must be 'xla' or 'input', got {self.memory_budget!r}")
         if self.check_first_step not in (True, False, "auto"):
             raise ValueError(
                 f"check_first_step must be True, False or 'auto', got {self.check_first_step!r}")

@@ -354,3 +354,61 @@ def test_combine_thresholds_per_kind_descent():
     rec_off = next(p for p in off.passes if p.name == "combine_thresholds")
     assert not rec_off.stats["per_kind_round"] and not rec_off.stats["skipped"]
     assert [c["thresholds"] for c in rec_off.stats["candidates"]] == [c["thresholds"] for c in uniform]
+
+
+def test_xla_scheduler_memory_limit_formula():
+    """XLA's GPU scheduler limit: (80 % of device memory - parameter and output bytes) x slop %."""
+    import hlo_passes
+    from concerto_jax.costmodel import get_cluster
+    from concerto_jax.target.program import xla_scheduler_memory_limit
+
+    module = hlo_passes.parse_module("""HloModule m
+
+ENTRY %main (a: f32[1024,1024], b: bf16[2048]) -> (f32[1024,1024], f32[]) {
+  %a = f32[1024,1024]{1,0} parameter(0)
+  %b = bf16[2048]{0} parameter(1)
+  %n = f32[1024,1024]{1,0} negate(%a)
+  %z = f32[] constant(0)
+  ROOT %t = (f32[1024,1024]{1,0}, f32[]) tuple(%n, %z)
+}
+""")
+    gpu = get_cluster("h100_sxm_8").gpu_spec
+    io = (4 << 20) + 2 * 2048 + (4 << 20) + 4  # parameters a, b; outputs n, z
+    assert xla_scheduler_memory_limit(module, gpu) == (gpu.memory_bytes * 80 // 100 - io) * 95 // 100
+    assert xla_scheduler_memory_limit(module, gpu, {"xla_gpu_memory_limit_slop_factor": 50}) == \
+        (gpu.memory_bytes * 80 // 100 - io) * 50 // 100
+
+
+@needs_plugin
+def test_memory_budget_plans_within_xlas_limit_and_keeps_the_faster():
+    """memory_budget="xla" (default): the plan held to the peak of XLA's order and the plan within
+    XLA's own scheduler limit on the target are both judged, the faster kept; "input" plans the
+    first alone."""
+    import hlo_passes
+    from concerto_jax.costmodel import get_cluster
+    from concerto_jax.target.program import xla_scheduler_memory_limit
+
+    step, args = _dp_mlp(fsdp=True)
+    base = concerto_jax.Options(passes=("schedule",), fallback=False, combine_thresholds=())
+    res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=base)
+    rec = next(p for p in res.passes if p.name == "schedule").stats
+    budget = xla_scheduler_memory_limit(hlo_passes.parse_module(res.emitted_text),
+                                        get_cluster("h100_sxm_8").gpu_spec)
+    assert rec["memory_budget"] == "xla" and rec["xla_memory_limit_bytes"] == budget
+    held, wide = rec["memory_candidates"]
+    assert held["memory_limit_bytes"] == rec["input_peak_bytes"] < wide["memory_limit_bytes"] == budget
+    for c in (held, wide):
+        assert c["peak_bytes"] <= c["memory_limit_bytes"]
+    kept = wide if wide["planned_us"] < held["planned_us"] else held
+    assert rec["memory_limit_bytes"] == kept["memory_limit_bytes"] and rec["peak_bytes"] == kept["peak_bytes"]
+    assert res.planned_step_us == pytest.approx(kept["planned_us"], abs=0.11)
+    assert res.peak_bytes == kept["peak_bytes"] and res.memory_limit_bytes == kept["memory_limit_bytes"]
+    only = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=dataclasses.replace(
+        base, memory_budget="input"))
+    rec_only = next(p for p in only.passes if p.name == "schedule").stats
+    assert "memory_candidates" not in rec_only
+    assert rec_only["memory_limit_bytes"] == rec_only["input_peak_bytes"]
+    assert only.planned_step_us == pytest.approx(held["planned_us"], abs=0.11)
+    assert res.planned_step_us <= only.planned_step_us + 0.11
+    with pytest.raises(ValueError, match="memory_budget"):
+        concerto_jax.Options(memory_budget="all")

@@ -54,6 +54,23 @@ def test_user_raises_the_limit_or_sets_bytes():
         ScheduleOptions(memory_limit_bytes=0)
 
 
+def test_a_budget_raises_the_limit_never_lowers_it():
+    """``memory_budget_bytes`` (compile_for_target: XLA's own scheduler limit on the target):
+    limit = max(ratio x input peak, budget); an absolute limit or no modelling win over it."""
+    g = prefetch_graph()
+    program = g.synchronous_schedule()
+    input_peak = _peak(g, program)
+    assert ScheduleOptions(memory_budget_bytes=3 * input_peak).memory_limit_for(input_peak) == 3 * input_peak
+    assert ScheduleOptions(memory_budget_bytes=input_peak // 2).memory_limit_for(input_peak) == input_peak
+    assert ScheduleOptions(memory_budget_bytes=10, memory_limit_bytes=5).memory_limit_for(100) == 5
+    assert ScheduleOptions(memory_budget_bytes=10, memory_limit_ratio=None).memory_limit_for(100) is None
+    wide = schedule(g, ScheduleOptions(memory_budget_bytes=3 * input_peak, **FAST), initial=program)
+    assert wide.memory_limit_bytes == 3 * input_peak
+    assert input_peak < wide.peak_memory_bytes <= 3 * input_peak
+    with pytest.raises(ValueError, match="memory_budget_bytes"):
+        ScheduleOptions(memory_budget_bytes=-1)
+
+
 def test_progress_is_quiet_unless_logging_is_on(caplog):
     log = logging.getLogger("concerto_jax.scheduler.test_progress")
     log.setLevel(logging.NOTSET)

@@ -152,7 +152,13 @@ def schedule_computation(module, comp, cost_model: CostModel, options, times: di
         problems.append(f"computation %{comp.name} keeps its order: {skipped}")
         scheduled_us, changed = evaluate(hg.graph, hg.events), False
     else:
-        result = scheduler.schedule(hg.graph, options.scheduler, initial=hg.events)
+        sched_opts = options.scheduler
+        if comp is not module.entry and sched_opts.memory_budget_bytes is not None:
+            # A budget is for the whole program; a called computation's live bytes come on
+            # top of its caller's at the call, which this graph does not see: keep it to
+            # its own input order's peak (times the ratio).
+            sched_opts = dataclasses.replace(sched_opts, memory_budget_bytes=None)
+        result = scheduler.schedule(hg.graph, sched_opts, initial=hg.events)
         hg.graph.check_schedule(list(result.events))
         old = list(comp.instructions)
         new = order_from_events(hg, result.events, old)

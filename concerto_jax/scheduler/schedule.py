@@ -47,6 +47,12 @@ class ScheduleOptions:
     # With no byte limit: limit = ratio x the input order's peak (1.0: never above the
     # order we started from; 1.2: allow 20 % more). None: memory not modelled at all.
     memory_limit_ratio: float | None = 1.0
+    # A budget the caller knows the program may use whatever the input order's peak: the
+    # limit is then max(memory_limit_ratio x input peak, memory_budget_bytes) (never below
+    # the input order's peak). compile_for_target passes the limit XLA's own GPU scheduler
+    # holds itself to on the target (``target.program.xla_scheduler_memory_limit``).
+    # Ignored when memory_limit_bytes is set or memory_limit_ratio is None.
+    memory_budget_bytes: int | None = None
     odd_even: OddEvenOptions | None = OddEvenOptions()  # None: no window search
     # Cap on candidate merges the "fuse_collectives" pass evaluates (None: no cap).
     fusion_max_evaluations: int | None = 400
@@ -57,6 +63,8 @@ class ScheduleOptions:
     def __post_init__(self):
         if self.memory_limit_bytes is not None and self.memory_limit_bytes <= 0:
             raise ValueError(f"memory_limit_bytes must be positive, got {self.memory_limit_bytes}")
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes < 0:
+            raise ValueError(f"memory_budget_bytes must be >= 0, got {self.memory_budget_bytes}")
         if self.memory_limit_ratio is not None and self.memory_limit_ratio < 1.0:
             raise ValueError(f"memory_limit_ratio must be >= 1.0 (a limit below the input order's "
                              f"peak may have no solution), got {self.memory_limit_ratio}; set "
@@ -68,7 +76,10 @@ class ScheduleOptions:
             return self.memory_limit_bytes
         if self.memory_limit_ratio is None or input_peak_bytes is None:
             return None
-        return int(self.memory_limit_ratio * input_peak_bytes)
+        limit = int(self.memory_limit_ratio * input_peak_bytes)
+        if self.memory_budget_bytes is not None:
+            limit = max(limit, int(self.memory_budget_bytes))
+        return limit
 
 
 @dataclasses.dataclass(frozen=True)

@@ -322,13 +322,12 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
     ``fidelity.judge_module``, the figure ``planned_step_us`` reports; the backend keeps the
     plan, so this is also the final module's figure). Otherwise the rewrite is dropped: the
     rewriting passes' records get ``changed=False`` and a ``final_module_guard`` entry. The
-    kept plan's ``Judged`` is returned as ``planned_judged`` (None when the guard did not run)
-    for ``fidelity.measure``, which then does not simulate the plan a second time.
+    kept plan's ``Judged`` is returned as ``planned_judged`` for ``fidelity.measure``,
+    which then does not simulate the plan a second time.
     """
     from concerto_jax import pipeline
     from concerto_jax.executor import replicated_compile_options
     from concerto_jax.target import pjrt_c
-    from concerto_jax.target.fidelity import judge_module
 
     devices = _devices_of(stock.compiled)
     env = dict(options.compiler_options)
@@ -340,7 +339,6 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
     stock_compile_options = compile_options = pjrt_c.spmd_compile_options(
         len(devices), env, device_ids=[d.id for d in devices])
     rewritten = False
-    planned_judged = None
     if rewriting:
         t0 = time.perf_counter()
         pre_opts = _with_fused_reference(dataclasses.replace(options, passes=rewriting), scheduled_src)
@@ -364,12 +362,8 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
     if rewritten and guard_rewrites and stock_src is not None:
         t0 = time.perf_counter()
         plain = _plan_on(stock_src, options, cost_model, {})
-        rewritten_judged = judge_module(plan["handed"], cost_model)
-        plain_judged = judge_module(plain["handed"], cost_model)
-        rewritten_us, plain_us = rewritten_judged.us, plain_judged.us
+        rewritten_us, plain_us = plan["judged"].us, plain["judged"].us
         keep = rewritten_us < plain_us
-        # The kept plan's figures, handed to fidelity.measure so that it does not simulate it again.
-        planned_judged = rewritten_judged if keep else plain_judged
         guard = {"rewritten_planned_us": round(rewritten_us, 1), "without_rewrite_planned_us": round(plain_us, 1),
                  "kept": keep}
         seconds["rewrite_guard"] = time.perf_counter() - t0
@@ -383,8 +377,7 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
             rewritten = False
     if options.combine_thresholds and options.passes:
         t0 = time.perf_counter()
-        current = planned_judged.us if planned_judged is not None else judge_module(
-            plan["handed"], cost_model).us
+        current = plan["judged"].us
         if rewritten:  # our program: XLA's pipeline on the replicated per-device module
             def scheduled_at(env_t):
                 _, _, _, src = compile_replicated_for_target(pre.text, devices, env_t, after_lhs=True)
@@ -402,7 +395,7 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
         records.append(tuned["record"])
         if tuned["plan"] is not None:
             plan, scheduled_src = tuned["plan"], tuned["scheduled"]
-            compile_options, planned_judged = tuned["compile_options"], tuned["judged"]
+            compile_options = tuned["compile_options"]
     _dump(options.dump_dir, "xla_scheduled.hlo", scheduled_src)
     if plan["record"] is not None:
         records.append(plan["record"])
@@ -412,7 +405,7 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
     final = pjrt_c.compile_hlo(handed, cluster, compile_options, backend_only=True)
     seconds["compile"] = time.perf_counter() - t0
     _dump(options.dump_dir, "final.hlo", final)
-    return dict(final=final, planned=handed, planned_judged=planned_judged, emitted=handed,
+    return dict(final=final, planned=handed, planned_judged=plan["judged"], emitted=handed,
                 scheduled=handed, passes=records, pins=0, via="backend_only", **plan["memory"])
 
 
@@ -477,15 +470,14 @@ def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: fl
     measurement. A candidate that fails (compile, memory limit) is skipped and recorded.
 
     Returns:
-      ``{"record": PassRecord("combine_thresholds", ...), "plan", "scheduled",
-      "compile_options", "judged"}``; the last four None when no candidate beats the
+      ``{"record": PassRecord("combine_thresholds", ...), "plan" (judged: ``plan["judged"]``),
+      "scheduled", "compile_options"}``; the last three None when no candidate beats the
       current plan. The record's ``chosen`` is ``{kind: bytes}`` for the kinds set (absent
       kinds: the given setting), None when nothing beat the current plan.
     """
     from concerto_jax.autoccl.knobs import gpu_combine_threshold_options
     from concerto_jax.report import PassRecord
     from concerto_jax.scheduler.progress import Progress
-    from concerto_jax.target.fidelity import judge_module
 
     t0 = time.perf_counter()
     progress = Progress(log, "compile_for_target: combine thresholds")
@@ -510,7 +502,7 @@ def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: fl
             if src is None:
                 raise RuntimeError("XLA wrote no scheduled module")
             plan = _plan_on(src, options, cost_model, {})
-            judged = judge_module(plan["handed"], cost_model)
+            judged = plan["judged"]
         except Exception as e:  # noqa: BLE001 - one candidate; the others and the current plan stand
             tried.append({**entry, "error": f"{type(e).__name__}: {str(e)[:200]}"})
             return None
@@ -556,28 +548,85 @@ def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: fl
                  "settings: kept", chosen, best[0].us, current_us)
     record = PassRecord("combine_thresholds", best is not None, time.perf_counter() - t0, stats)
     if best is None:
-        return {"record": record, "plan": None, "scheduled": None, "compile_options": None,
-                "judged": None}
-    judged, plan, src, compile_options, _ = best
-    return {"record": record, "plan": plan, "scheduled": src,
-            "compile_options": compile_options, "judged": judged}
+        return {"record": record, "plan": None, "scheduled": None, "compile_options": None}
+    _, plan, src, compile_options, _ = best
+    return {"record": record, "plan": plan, "scheduled": src, "compile_options": compile_options}
+
+
+def xla_scheduler_memory_limit(module, gpu, compiler_options=None) -> int:
+    """The memory limit XLA's GPU latency hiding scheduler holds a module to on ``gpu``.
+
+    XLA (``gpu_hlo_schedule.cc``, ``GetSchedulerMemoryLimit``): 80 % of the device's memory,
+    minus the bytes of the entry's parameters and outputs (assumed live throughout), times
+    ``xla_gpu_memory_limit_slop_factor`` % (95 by default; read from ``compiler_options``
+    where set). Aliased outputs are counted twice here (XLA subtracts them): a lower, safer
+    limit. ``module``: an ``hlo_passes`` module; ``gpu``: a ``costmodel.specs.GpuSpec``.
+    """
+    slop = int(dict(compiler_options or {}).get("xla_gpu_memory_limit_slop_factor", 95))
+    entry = module.entry
+    io = sum(p.shape.byte_size for p in entry.parameters)
+    if entry.root is not None:
+        io += entry.root.shape.byte_size
+    return max(0, (gpu.memory_bytes * 80 // 100 - io) * slop // 100)
 
 
 def _plan_on(scheduled_src: str, options, cost_model, seconds: dict) -> dict:
-    """Our order of XLA's scheduled module ``scheduled_src`` when "schedule" runs (else as is).
+    """Our order of XLA's scheduled module ``scheduled_src`` when "schedule" runs (else as is),
+    judged (``fidelity.judge_module``).
+
+    With ``options.memory_budget == "xla"`` the module is planned twice, held to the peak
+    of XLA's order (``options.scheduler``'s limit) and within the budget XLA's own
+    scheduler has on the target (``xla_scheduler_memory_limit``); the faster plan by the
+    judge is kept (the first on a tie). The scheduler's own objective has no overlap
+    slowdown, so more memory (more overlap) does not always judge faster.
 
     Returns:
-      ``{"handed": module text for the backend, "record": the schedule PassRecord or None,
-      "memory": input_peak_bytes / peak_bytes / memory_limit_bytes (empty without schedule)}``.
+      ``{"handed": module text for the backend, "judged": its Judged, "record": the
+      schedule PassRecord or None, "memory": input_peak_bytes / peak_bytes /
+      memory_limit_bytes (empty without schedule)}``.
 
     Raises:
       RuntimeError: our order's peak exceeds the memory limit.
     """
-    from concerto_jax.report import PassRecord
-    from concerto_jax.target import native
+    from concerto_jax.target.fidelity import judge_module
 
     if "schedule" not in options.passes:
-        return {"handed": scheduled_src, "record": None, "memory": {}}
+        return {"handed": scheduled_src, "judged": judge_module(scheduled_src, cost_model),
+                "record": None, "memory": {}}
+    plan = _plan_once(scheduled_src, options, cost_model, seconds)
+    if options.memory_budget != "xla" or options.scheduler.memory_limit_bytes is not None \
+            or options.scheduler.memory_limit_ratio is None:
+        return plan
+    import hlo_passes
+
+    budget = xla_scheduler_memory_limit(hlo_passes.parse_module(scheduled_src, source="xla-after-lhs"),
+                                        cost_model.gpu, options.compiler_options)
+    limit = plan["memory"].get("memory_limit_bytes")
+    tried = [{"memory_limit_bytes": limit, "planned_us": round(plan["judged"].us, 1),
+              "peak_bytes": plan["memory"].get("peak_bytes")}]
+    if limit is not None and budget > limit:
+        wide = _plan_once(scheduled_src, dataclasses.replace(options, scheduler=dataclasses.replace(
+            options.scheduler, memory_budget_bytes=budget)), cost_model, seconds,
+            same_as=plan)
+        tried.append({"memory_limit_bytes": wide["memory"].get("memory_limit_bytes"),
+                      "planned_us": round(wide["judged"].us, 1),
+                      "peak_bytes": wide["memory"].get("peak_bytes")})
+        if wide["judged"].us < plan["judged"].us:
+            plan = wide
+    rec = plan["record"]
+    plan["record"] = dataclasses.replace(rec, stats={
+        **rec.stats, "memory_budget": "xla", "xla_memory_limit_bytes": budget,
+        "memory_candidates": tried})
+    return plan
+
+
+def _plan_once(scheduled_src: str, options, cost_model, seconds: dict, same_as=None) -> dict:
+    """One run of the schedule pass over ``scheduled_src`` (``_plan_on``), judged (the judge of
+    ``same_as``, an earlier plan, reused when the order is the same)."""
+    from concerto_jax.report import PassRecord
+    from concerto_jax.target import native
+    from concerto_jax.target.fidelity import judge_module
+
     t0 = time.perf_counter()
     r = native.reschedule_text(scheduled_src, cost_model, options)
     dt = time.perf_counter() - t0
@@ -595,7 +644,9 @@ def _plan_on(scheduled_src: str, options, cost_model, seconds: dict) -> dict:
             and entry.peak_bytes > entry.memory_limit_bytes):
         raise RuntimeError(f"our order's peak {entry.peak_bytes} B exceeds the memory limit "
                            f"{entry.memory_limit_bytes} B")
-    return {"handed": r.text, "record": PassRecord("schedule", bool(r.changed), dt, stats),
+    same = same_as is not None and same_as["handed"] == r.text
+    return {"handed": r.text, "judged": same_as["judged"] if same else judge_module(r.text, cost_model),
+            "record": PassRecord("schedule", bool(r.changed), dt, stats),
             "memory": dict(input_peak_bytes=entry.input_peak_bytes, peak_bytes=entry.peak_bytes,
                            memory_limit_bytes=entry.memory_limit_bytes)}
 
