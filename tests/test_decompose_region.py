@@ -198,3 +198,79 @@ def test_bf16_real_step_checked_then_falls_back_with_one_warning():
     assert not report.optimized and report.first_step_check.startswith("ran: DIFFERED")
     rec = {p.name: p for p in report.passes}["decompose"]
     assert rec.stats["strategy"] == "region" and rec.tolerance == 1e-3
+
+
+_ONE_HOT = """HloModule m, replica_count=8
+
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (x: f32[8,16], w: f32[16,4], t: s32[8]) -> (f32[16,4], f32[]) {
+  %x = f32[8,16]{1,0} parameter(0)
+  %w = f32[16,4]{1,0} parameter(1)
+  %t = s32[8]{0} parameter(2)
+  %h = f32[8,4]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %ar = f32[8,4]{1,0} all-reduce(%h), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%sum
+  %y = f32[8,4]{1,0} tanh(%ar)
+  %io = s32[8,4]{1,0} iota(), iota_dimension=1
+  %tb = s32[8,4]{1,0} broadcast(%t), dimensions={0}
+  %eq = pred[8,4]{1,0} compare(%io, %tb), direction=EQ
+  %one = f32[] constant(1)
+  %zero = f32[] constant(0)
+  %ob = f32[8,4]{1,0} broadcast(%one), dimensions={}
+  %zb = f32[8,4]{1,0} broadcast(%zero), dimensions={}
+  %oh = f32[8,4]{1,0} select(%eq, %ob, %zb)
+  %p = f32[8,4]{1,0} multiply(%y, %oh)
+  %gw = f32[16,4]{1,0} dot(%x, %p), lhs_contracting_dims={0}, rhs_contracting_dims={0}
+  %loss = f32[] reduce(%p, %zero), dimensions={0,1}, to_apply=%sum
+  ROOT %out = (f32[16,4]{1,0}, f32[]) tuple(%gw, %loss)
+}
+"""
+
+
+def test_region_pulls_in_a_late_batch_input():
+    """A second batch input that meets the region late (a loss's targets through a one-hot)
+    is split at its source (s32[8]) instead of the one-hot (f32[8,4]) being computed whole and
+    sliced; the chunks still compute the same loss and weight gradient."""
+    import jax
+
+    from concerto_jax.decompose.region import pull_in_inputs
+
+    module = hlo_passes.parse_module(_ONE_HOT)
+    region = build_region(module.entry.instruction("ar"), 0)
+    names = {i.name for i in region.plans}
+    assert [(s.name, d) for s, d in region.sources] == [("x", 0)]
+    assert "oh" not in names and region.plans[module.entry.instruction("p")].operand_dims == (0, 0)
+    pulled = pull_in_inputs(region, module.entry)
+    assert sorted((s.name, d) for s, d in pulled.sources) == [("t", 0), ("x", 0)]
+    assert {"tb", "eq", "oh", "p", "gw", "loss"} <= {i.name for i in pulled.plans}
+    assert sorted(pulled.partial) == ["gw", "loss"]
+    # an operand some non-member also reads is not pulled in (it would be computed twice)
+    shared = hlo_passes.parse_module(_ONE_HOT.replace(
+        "ROOT %out = (f32[16,4]{1,0}, f32[]) tuple(%gw, %loss)",
+        "%r = f32[8,4]{1,0} reverse(%oh), dimensions={0}\n"
+        "  ROOT %out = (f32[16,4]{1,0}, f32[], f32[8,4]{1,0}) tuple(%gw, %loss, %r)").replace(
+        "-> (f32[16,4], f32[])", "-> (f32[16,4], f32[], f32[8,4])"))
+    kept = pull_in_inputs(build_region(shared.entry.instruction("ar"), 0), shared.entry)
+    assert [(s.name, d) for s, d in kept.sources] == [("x", 0)]
+
+    inputs = _inputs(hlo_passes.parse_module(_ONE_HOT))
+    devices = [a.device for a in inputs[0].addressable_shards]
+    rep = inputs[0].sharding
+    tgt = np.array([0, 3, 1, 2, 2, 0, 3, 1], np.int32)
+    inputs[2] = jax.make_array_from_single_device_arrays(
+        (8,), rep, [jax.device_put(tgt, d) for d in devices])
+    want = _run(_ONE_HOT, inputs)
+    ids = iter(range(max_channel_id(module) + 1, 100))
+    split_instructions(module.entry, pulled.plans, 2, lambda: next(ids), isolate=True)
+    hlo_passes.verify(module)
+    text = hlo_passes.module_to_text(module)
+    hlo_passes.xla_parse(text)
+    assert "f32[4,4]{1,0} select(" in text  # the one-hot is built per chunk
+    got = _run(text, inputs)
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

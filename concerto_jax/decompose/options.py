@@ -93,6 +93,10 @@ class DecomposeOptions:
     # concatenated once after it, instead of in every iteration. False: the body is split
     # alone (every iteration slices and concatenates its carried activations).
     carry_chunks: bool = True
+    # A region also takes in the outside operands it would slice that can split at their
+    # own sources (region.pull_in_inputs): a loss's targets are sliced as s32[batch, seq]
+    # instead of as the f32[batch, seq, vocab] one-hot XLA would materialise to slice it.
+    region_pull_in: bool = True
     # Relative tolerance declared when a region has partial members (sums reassociated).
     region_tolerance: float = 1e-3
     # Half-precision partial sums (a bf16 bias gradient) reduce each chunk in f32 and round

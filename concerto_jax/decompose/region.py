@@ -290,6 +290,55 @@ def _propagate(coll, axis: int, comp, sources) -> Region:
     return region
 
 
+def pull_in_inputs(region: Region, comp, rounds: int = 1) -> Region:
+    """Bring into ``region`` the outside operands it slices that could split themselves.
+
+    An outside operand that members read sliced along ``d``, whose rule maps ``d`` (it
+    could be a member), that is not a broadcast or iota the rewrite clones anyway, and
+    whose every user is a (non-partial) member reading it along ``d``, is split at its
+    sources instead: the backward walk from it (``_sources``) adds them and the region is
+    propagated again (up to ``rounds`` times). So a second batch input that only meets
+    the region late (a loss's targets, a mask) is sliced where it is small, instead of
+    being computed whole and sliced where it is large: GPT's one-hot targets are an
+    f32[batch, seq, vocab] that XLA would otherwise materialise to slice (measured in
+    WORKSPACE_NOTES, session 8).
+    """
+    for _ in range(rounds):
+        known = {(id(s), d) for s, d in region.sources}
+        extra: list = []
+        for inst, plan in region.plans.items():
+            for op, d in zip(inst.operands, plan.operand_dims, strict=True):
+                if (d is None or op in region.plans or (id(op), d) in known
+                        or not _joinable(op, comp) or d not in rules.axis_map(op)
+                        or _replicable(op, d)):
+                    continue
+                known.add((id(op), d))
+                if all(u in region.plans and region.plans[u].partial is None
+                       and all(ud == d for o, ud in zip(u.operands, region.plans[u].operand_dims,
+                                                        strict=True) if o is op)
+                       for u in op.users):
+                    extra.extend(w for w in _sources(op, d, comp) if (id(w[0]), w[1]) not in known)
+        taken = {id(s) for s, _ in region.sources}
+        new = []
+        for w in extra:  # one split dimension per source
+            if id(w[0]) not in taken:
+                taken.add(id(w[0]))
+                new.append(w)
+        if not new:
+            break
+        grown = _propagate(region.collective, region.axis, comp, region.sources + new)
+        if region.collective not in grown.plans:
+            break
+        region = grown
+    return region
+
+
+def _replicable(inst, dim: int) -> bool:
+    """A broadcast or iota whose operand does not carry ``dim``: cloned per chunk anyway."""
+    return inst.opcode in ("broadcast", "iota") and all(
+        d is None for d in rules.axis_map(inst).get(dim, (0,)))
+
+
 def grow_through_carries(region: Region, comp, rounds: int = 4) -> Region:
     """In a while body: bring into ``region`` the loop state it reads split.
 

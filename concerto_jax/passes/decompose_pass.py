@@ -139,16 +139,23 @@ def decompose_pass(module, options) -> PassOutcome:
     return PassOutcome(changed=bool(decomposed), stats=stats, tolerance=tolerance)
 
 
-def _best_region(comp, n: int, cost_model, num_devices: int, loop=None):
+def _best_region(comp, n: int, cost_model, num_devices: int, loop=None, pull_in: bool = False):
     """The region of ``comp`` with the best ``region.score_region`` among those whose split
     dimensions divide by ``n`` and whose score is positive; ``(region, score)`` or None.
     Seeds: every synchronous array collective along every axis its rule splits; a
     collective already inside a region found along the same axis is not seeded again (its
     region is the same). ``loop``: the while whose body ``comp`` is; its regions grow to
     the loop state they read split (``grow_through_carries``), and the loop state that can
-    be carried in chunks (``carried_splits``) costs no slicing or concatenation."""
+    be carried in chunks (``carried_splits``) costs no slicing or concatenation. ``pull_in``:
+    each region also takes in the outside operands it can split at their sources
+    (``region.pull_in_inputs``)."""
     from concerto_jax.decompose import rules
-    from concerto_jax.decompose.region import build_region, grow_through_carries, score_region
+    from concerto_jax.decompose.region import (
+        build_region,
+        grow_through_carries,
+        pull_in_inputs,
+        score_region,
+    )
     from hlo_passes.decompose_rewrite import carried_splits
 
     best, covered = None, set()
@@ -159,6 +166,8 @@ def _best_region(comp, n: int, cost_model, num_devices: int, loop=None):
             if (coll.name, axis) in covered:
                 continue
             region = build_region(coll, axis)
+            if region is not None and pull_in:
+                region = pull_in_inputs(region, comp)
             if region is not None and loop is not None:
                 region = grow_through_carries(region, comp)
             if region is None or not region.divisible_by(n):
@@ -199,7 +208,8 @@ def _region_split(module, options, dopts: DecomposeOptions, cost_model) -> PassO
     decomposed, dropped, tolerance = [], [], 0.0
     for comp in computations_to_search(module, dopts):
         loop = loops.get(id(comp)) if dopts.carry_chunks else None
-        found = _best_region(comp, n, cost_model, module.num_devices, loop=loop)
+        found = _best_region(comp, n, cost_model, module.num_devices, loop=loop,
+                             pull_in=dopts.region_pull_in)
         if found is None:
             continue
         region, score = found
