@@ -71,6 +71,21 @@ def test_a_budget_raises_the_limit_never_lowers_it():
         ScheduleOptions(memory_budget_bytes=-1)
 
 
+def test_a_limit_above_all_bytes_runs_the_searches_without_memory():
+    """A limit no order can reach (every output's bytes together fit under it) is vacuous: the
+    searches run as with no memory model (same schedule), and the limit is still reported."""
+    g = prefetch_graph()
+    program = g.synchronous_schedule()
+    total = sum(t.out_bytes for t in g.tasks)
+    free = schedule(g, ScheduleOptions(memory_limit_ratio=None), initial=program)
+    above = schedule(g, ScheduleOptions(memory_limit_bytes=total), initial=program)
+    assert above.stats["memory_limit_cannot_bind"] and above.memory_limit_bytes == total
+    assert above.events == free.events and above.makespan_us == free.makespan_us
+    assert above.peak_memory_bytes <= total
+    below = schedule(g, ScheduleOptions(memory_limit_bytes=total - 1), initial=program)
+    assert not below.stats["memory_limit_cannot_bind"]
+
+
 def test_progress_is_quiet_unless_logging_is_on(caplog):
     log = logging.getLogger("concerto_jax.scheduler.test_progress")
     log.setLevel(logging.NOTSET)

@@ -158,7 +158,13 @@ def schedule(
     stl = simulate(graph, start_order)
     input_peak = peak_memory(graph, stl.start, stl.end)
     limit = options.memory_limit_for(input_peak)
-    stats: dict = {"tasks": len(graph), "input_peak_bytes": input_peak, "memory_limit_bytes": limit}
+    # A limit above every output's bytes together cannot bind, whatever the order: the
+    # searches then run without the memory model (it only slows them: CP-SAT's cumulative
+    # in every odd-even block), and every candidate is still checked against the limit.
+    vacuous = limit is not None and sum(t.out_bytes for t in graph.tasks) <= limit
+    model_limit = None if vacuous else limit
+    stats: dict = {"tasks": len(graph), "input_peak_bytes": input_peak, "memory_limit_bytes": limit,
+                   "memory_limit_cannot_bind": vacuous}
     cands: list[tuple[float, str, list[Event], int]] = []  # (makespan, source, events, peak)
     rejected: list[tuple[int, float, str, list[Event]]] = []  # over the memory limit
 
@@ -177,7 +183,7 @@ def schedule(
     if initial is not None:
         input_makespan = consider("input", initial, stl)
     th = time.perf_counter()
-    heur = list_schedule(graph, memory_limit_bytes=limit)
+    heur = list_schedule(graph, memory_limit_bytes=model_limit)
     htl = simulate(graph, heur)
     stats["heuristic_s"] = time.perf_counter() - th
     stats["heuristic_makespan_us"] = htl.makespan
@@ -193,7 +199,7 @@ def schedule(
                               progress=options.progress)
         try:
             sol = solve_program(graph, params, hint_start_us=htl.start, horizon_us=htl.makespan,
-                                memory_limit_bytes=limit)
+                                memory_limit_bytes=model_limit)
             cp_events = decode(graph, sol.start_us)
             cp_makespan = consider("cp", cp_events)
             stats.update(cp_status=sol.status, cp_makespan_us=cp_makespan, cp_s=sol.wall_time_s)
@@ -207,7 +213,7 @@ def schedule(
         cands.append((mk, source, events, peak))
         limit_for_search = None
     else:
-        limit_for_search = limit
+        limit_for_search = model_limit
     order = {"input": 0, "cp": 1, "heuristic": 2, "program": 3}
     makespan, source, events, _ = min(cands, key=lambda c: (c[0], order[c[1]]))
     if options.odd_even is not None and makespan > lb + 1e-9 and len(graph) > 2:
