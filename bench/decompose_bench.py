@@ -348,7 +348,12 @@ def run(cases, out_dir: str = "bench/results", prefix: str = "decompose",
              "chosen by its score; compile_for_target's final-module guard keeps it only if XLA's "
              "scheduled module of it plans faster: see verdicts). "
              "stock/s/sad: XLA's final module after compile_for_target"
-             + ("" if final_module else " (not run: --taskgraph-only)") + ".\n",
+             + ("" if final_module else " (not run: --taskgraph-only)") + "."
+             + (" stock_peak_mb / sad_peak_mb: peak live bytes of the entry of XLA's final module, "
+                "stock / S+AD, in the scheduler's memory model; sad_memory_limit: the limit S+AD's "
+                "kept plan was held to (xla order: the peak of XLA's order of the same program; "
+                "xla budget: XLA's own scheduler limit on the target, Options.memory_budget)."
+                if final_module else "") + "\n",
              f"Command: `python -m bench.cli decompose{'' if final_module else ' --taskgraph-only'}"
              f"{'' if split_copies == 'estimate' else ' --split-copies ' + split_copies}"
              f"{' --region 0' if region_degree is None else ('' if region_degree == 2 else f' --region {region_degree}')}"
