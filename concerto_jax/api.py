@@ -183,8 +183,10 @@ class OptimizedStep:
                         executable="original", first_step_check="not run (fell back)")
         return _Entry(None, report, captured, None)
 
-    def _run_pipeline(self, args: tuple, kwargs: dict):
-        """Capture + (leader-decided) pipeline: (capture or None, result or None, failure, timings)."""
+    def _run_pipeline(self, args: tuple, kwargs: dict, options: Options | None = None):
+        """Capture + (leader-decided) pipeline: (capture or None, result or None, failure, timings).
+        ``options``: the pipeline's options (default ``self.options``)."""
+        options = self.options if options is None else options
         # JAX rejecting the arguments is the user's error: it propagates from capture().
         try:
             cap = capture_lib.capture(self._fn, args, kwargs)
@@ -196,7 +198,7 @@ class OptimizedStep:
         def plan() -> dict:
             if cap is None:
                 raise capture_error
-            return pipeline.run(text, self.options).to_json()
+            return pipeline.run(text, options).to_json()
 
         try:
             # Process 0 decides; every process gets the same plan (or all fall back).
@@ -241,6 +243,10 @@ class OptimizedStep:
             # Identity by construction: JAX's own executable, nothing captured until report().
             return _Entry(None, None, abstract=jax.tree.map(_abstract, (args, kwargs)))
         cap, result, failure, timings = self._run_pipeline(args, kwargs)
+        unverified = ""
+        if failure is None:
+            cap, result, failure, timings, unverified = self._without_unverifiable(
+                cap, result, timings, args, kwargs, name)
         text = cap.hlo_text if cap is not None else ""
         n_dev = cap.num_partitions if cap is not None else len(jax.devices())
         changed = failure is None and (self.options.always_recompile
@@ -278,25 +284,57 @@ class OptimizedStep:
             # Every pass left the module as it was: JAX's own executable is the identity.
             report = dataclasses.replace(
                 report, first_step_check="not needed (no pass changed the module: JAX's own "
-                                         "executable runs)")
+                                         "executable runs)" + unverified)
             log.info("%s", report)
             return _Entry(None, report, text, result.text)
         tolerance = max((p.tolerance for p in result.passes), default=0.0)
-        check, why = self._check_decision(cap, args, kwargs)
-        report = dataclasses.replace(report, first_step_check=why)
+        check, why = self._check_decision(cap, args, kwargs, tolerance)
+        report = dataclasses.replace(report, first_step_check=why + unverified)
         log.info("%s", report)
         return _Entry(compiled, report, text, result.text, tolerance=tolerance,
                       check_pending=check)
 
-    def _check_decision(self, cap, args: tuple, kwargs: dict) -> tuple[bool, str]:
-        """Whether to compare the first call with the original step, and the report's words."""
+    def _without_unverifiable(self, cap, result, timings: dict, args: tuple, kwargs: dict, name: str):
+        """Passes that reassociate sums declare a tolerance that only the first-step check
+        verifies (bf16 region splits can exceed it: WORKSPACE_NOTES, session 8). Where the
+        check cannot run (side effects, memory) and the user did not turn it off, the
+        pipeline runs again without those passes, with one warning. Returns
+        ``(cap, result, failure, timings, words for the report)``."""
+        tolerance = max((p.tolerance for p in result.passes), default=0.0)
+        if tolerance == 0 or self.options.check_first_step is False:
+            return cap, result, None, timings, ""
+        check, why = self._check_decision(cap, args, kwargs, tolerance)
+        # every process must run the same program: leave them out everywhere or nowhere
+        if multiprocess.all_succeeded(check):
+            return cap, result, None, timings, ""
+        if check:
+            why = "another process cannot run it"
+        dropped = sorted({p.name for p in result.passes if p.tolerance > 0})
+        reason = (f"the passes {dropped} reassociate sums (declared relative tolerance "
+                  f"{tolerance:g}) and the first-step check that verifies it cannot run "
+                  f"({why}); they are left out")
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(f"concerto_jax.optimize({name}): {reason}", ConcertoFallbackWarning,
+                          stacklevel=5)
+        log.warning("%s: %s", name, reason)
+        options = dataclasses.replace(self.options, passes=tuple(
+            p for p in self.options.passes if p not in dropped))
+        cap, result, failure, timings = self._run_pipeline(args, kwargs, options)
+        return cap, result, failure, timings, f"; {dropped} left out: they need the check"
+
+    def _check_decision(self, cap, args: tuple, kwargs: dict,
+                        tolerance: float = 0.0) -> tuple[bool, str]:
+        """Whether to compare the first call with the original step, and the report's words.
+        ``tolerance``: the passes' declared tolerance; a reassociating module is checked under
+        "auto" even with compiler_options (against the original compiled with the same ones)."""
         mode = self.options.check_first_step
         if mode is False:
             return False, "off (Options.check_first_step=False)"
         if cap.has_effects:
             return False, ("skipped: the step has side effects (host callbacks) that a second "
                            "run would fire twice")
-        if mode == "auto" and self.options.compiler_options:
+        if mode == "auto" and self.options.compiler_options and tolerance == 0:
             return False, ("skipped (auto): Options.compiler_options change XLA's compile of our "
                            "module only, so the original under JAX's defaults is no bitwise "
                            "reference (check_first_step=True compares with the original compiled "

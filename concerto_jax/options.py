@@ -58,7 +58,11 @@ class Options:
     # io_callback), which would fire twice, and under "auto" when
     # compiler_options are set (True then compares with the original compiled
     # with the same options). The identity pipeline runs JAX's own executable
-    # and needs no check. True: always; False: never.
+    # and needs no check. True: always; False: never. A pass that reassociates sums
+    # (declares a tolerance: decompose's region split) runs only where the check runs: where
+    # it cannot (side effects, memory), that pass is left out with one warning; under "auto"
+    # with compiler_options such a module is checked against the original compiled with the
+    # same options. False runs it unchecked.
     check_first_step: bool | str = "auto"
     # Recompile the post-SPMD module even when no pass changed it. By default an
     # unchanged module runs JAX's own executable of the step (identical by
