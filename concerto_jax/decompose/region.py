@@ -303,34 +303,18 @@ def pull_in_inputs(region: Region, comp, rounds: int = 1) -> Region:
     f32[batch, seq, vocab] that XLA would otherwise materialise to slice (measured in
     WORKSPACE_NOTES, session 8).
     """
-    for _ in range(rounds):
-        known = {(id(s), d) for s, d in region.sources}
-        extra: list = []
-        for inst, plan in region.plans.items():
-            for op, d in zip(inst.operands, plan.operand_dims, strict=True):
-                if (d is None or op in region.plans or (id(op), d) in known
-                        or not _joinable(op, comp) or d not in rules.axis_map(op)
-                        or _replicable(op, d)):
-                    continue
-                known.add((id(op), d))
-                if all(u in region.plans and region.plans[u].partial is None
-                       and all(ud == d for o, ud in zip(u.operands, region.plans[u].operand_dims,
-                                                        strict=True) if o is op)
-                       for u in op.users):
-                    extra.extend(w for w in _sources(op, d, comp) if (id(w[0]), w[1]) not in known)
-        taken = {id(s) for s, _ in region.sources}
-        new = []
-        for w in extra:  # one split dimension per source
-            if id(w[0]) not in taken:
-                taken.add(id(w[0]))
-                new.append(w)
-        if not new:
-            break
-        grown = _propagate(region.collective, region.axis, comp, region.sources + new)
-        if region.collective not in grown.plans:
-            break
-        region = grown
-    return region
+    def walk(current: Region, op, d):
+        if not _joinable(op, comp) or d not in rules.axis_map(op) or _replicable(op, d):
+            return None
+        plans = current.plans
+        if all(u in plans and plans[u].partial is None
+               and all(ud == d for o, ud in zip(u.operands, plans[u].operand_dims, strict=True)
+                       if o is op)
+               for u in op.users):
+            return _sources(op, d, comp)
+        return None
+
+    return _grow(region, comp, rounds, walk)
 
 
 def _replicable(inst, dim: int) -> bool:
@@ -354,22 +338,36 @@ def grow_through_carries(region: Region, comp, rounds: int = 4) -> Region:
     if len(params) != 1:
         return region
     param = params[0]
+
+    def walk(_current: Region, op, d):
+        found = _sources(op, d, comp)
+        if found and all(s.opcode == "get-tuple-element" and s.operands
+                         and s.operands[0] is param for s, _ in found):
+            return found
+        return None
+
+    return _grow(region, comp, rounds, walk)
+
+
+def _grow(region: Region, comp, rounds: int, walk) -> Region:
+    """Up to ``rounds`` times: for each outside operand ``op`` the region reads sliced along
+    ``d``, ``walk(region, op, d)`` gives the (instruction, dim) pairs to add as sources (or
+    None); new sources (one split dimension each) are added and the region propagated
+    again (``pull_in_inputs``, ``grow_through_carries``)."""
     for _ in range(rounds):
-        known = {(id(s), d) for s, d in region.sources}
+        seen = {(id(s), d) for s, d in region.sources}
         taken = {id(s) for s, _ in region.sources}  # one split dimension per source
         new: list = []
         for inst, plan in region.plans.items():
             for op, d in zip(inst.operands, plan.operand_dims, strict=True):
-                if d is None or op in region.plans or (id(op), d) in known:
+                if d is None or op in region.plans or (id(op), d) in seen:
                     continue
-                walk = _sources(op, d, comp)
-                if walk and all(s.opcode == "get-tuple-element" and s.operands
-                                and s.operands[0] is param for s, _ in walk):
-                    for w in walk:
-                        if id(w[0]) not in taken:
-                            taken.add(id(w[0]))
-                            known.add((id(w[0]), w[1]))
-                            new.append(w)
+                for w in walk(region, op, d) or ():
+                    if id(w[0]) not in taken and (id(w[0]), w[1]) not in seen:
+                        taken.add(id(w[0]))
+                        seen.add((id(w[0]), w[1]))
+                        new.append(w)
+                seen.add((id(op), d))
         if not new:
             break
         grown = _propagate(region.collective, region.axis, comp, region.sources + new)
