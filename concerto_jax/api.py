@@ -183,15 +183,17 @@ class OptimizedStep:
                         executable="original", first_step_check="not run (fell back)")
         return _Entry(None, report, captured, None)
 
-    def _run_pipeline(self, args: tuple, kwargs: dict, options: Options | None = None):
+    def _run_pipeline(self, args: tuple, kwargs: dict, options: Options | None = None, cap=None):
         """Capture + (leader-decided) pipeline: (capture or None, result or None, failure, timings).
-        ``options``: the pipeline's options (default ``self.options``)."""
+        ``options``: the pipeline's options (default ``self.options``); ``cap``: a capture of
+        these arguments already made (not made again)."""
         options = self.options if options is None else options
         # JAX rejecting the arguments is the user's error: it propagates from capture().
-        try:
-            cap = capture_lib.capture(self._fn, args, kwargs)
-        except capture_lib.CaptureError as e:
-            cap, capture_error = None, e
+        if cap is None:
+            try:
+                cap = capture_lib.capture(self._fn, args, kwargs)
+            except capture_lib.CaptureError as e:
+                cap, capture_error = None, e
         text = cap.hlo_text if cap is not None else ""
         timings = {"capture": cap.seconds} if cap is not None else {}
 
@@ -320,7 +322,8 @@ class OptimizedStep:
         log.warning("%s: %s", name, reason)
         options = dataclasses.replace(self.options, passes=tuple(
             p for p in self.options.passes if p not in dropped))
-        cap, result, failure, timings = self._run_pipeline(args, kwargs, options)
+        cap, result, failure, again = self._run_pipeline(args, kwargs, options, cap=cap)
+        timings = {**timings, **again}
         return cap, result, failure, timings, f"; {dropped} left out: they need the check"
 
     def _check_decision(self, cap, args: tuple, kwargs: dict,
