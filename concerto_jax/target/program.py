@@ -358,10 +358,13 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
         raise RuntimeError("XLA wrote no scheduled module (no dump before its post-scheduling "
                            "pipelines nor after its latency hiding scheduler; XLA_FLAGS overriding "
                            "--xla_dump_to?)")
-    plan = _plan_on(scheduled_src, options, cost_model, seconds)
+    # XLA's own scheduler limit for this program (parameters and outputs: the same for
+    # every rewrite and threshold candidate), or None (Options.memory_budget="input")
+    budget = _memory_budget(stock_src or scheduled_src, options, cost_model)
+    plan = _plan_on(scheduled_src, options, cost_model, seconds, budget)
     if rewritten and guard_rewrites and stock_src is not None:
         t0 = time.perf_counter()
-        plain = _plan_on(stock_src, options, cost_model, {})
+        plain = _plan_on(stock_src, options, cost_model, {}, budget)
         rewritten_us, plain_us = plan["judged"].us, plain["judged"].us
         keep = rewritten_us < plain_us
         guard = {"rewritten_planned_us": round(rewritten_us, 1), "without_rewrite_planned_us": round(plain_us, 1),
@@ -390,7 +393,8 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
                     dump_lhs=True, dump_spmd=False, dump_scheduled=True, extra=tuple(env_t.items())))
                 return (again.scheduled_text or again.after_lhs_text, pjrt_c.spmd_compile_options(
                     len(devices), env_t, device_ids=[d.id for d in devices]))
-        tuned = _tune_combiners(scheduled_at, env, options, cost_model, current, scheduled_src)
+        tuned = _tune_combiners(scheduled_at, env, options, cost_model, current, scheduled_src,
+                                budget)
         seconds["combine_thresholds"] = time.perf_counter() - t0
         records.append(tuned["record"])
         if tuned["plan"] is not None:
@@ -442,7 +446,7 @@ def _collectives_by_kind(text: str) -> tuple[dict[str, int], dict[str, tuple]]:
 
 
 def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: float,
-                    current_src: str) -> dict:
+                    current_src: str, budget: int | None = None) -> dict:
     """Plan the program at other XLA combine thresholds and keep the fastest plan if it beats
     ``current_us`` (the plan at the user's settings, of XLA's scheduled module ``current_src``).
 
@@ -501,7 +505,7 @@ def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: fl
             src, compile_options = scheduled_at({**env, **gpu_combine_threshold_options(setting)})
             if src is None:
                 raise RuntimeError("XLA wrote no scheduled module")
-            plan = _plan_on(src, options, cost_model, {})
+            plan = _plan_on(src, options, cost_model, {}, budget)
             judged = plan["judged"]
         except Exception as e:  # noqa: BLE001 - one candidate; the others and the current plan stand
             tried.append({**entry, "error": f"{type(e).__name__}: {str(e)[:200]}"})
@@ -570,14 +574,30 @@ def xla_scheduler_memory_limit(module, gpu, compiler_options=None) -> int:
     return max(0, (gpu.memory_bytes * 80 // 100 - io) * slop // 100)
 
 
-def _plan_on(scheduled_src: str, options, cost_model, seconds: dict) -> dict:
+def _memory_budget(scheduled_src: str | None, options, cost_model) -> int | None:
+    """XLA's own scheduler memory limit for the program of ``scheduled_src`` on the target
+    (``xla_scheduler_memory_limit``) when ``_plan_on`` should plan within it too; None where
+    it should not (``Options.memory_budget="input"``, no "schedule" pass, or a scheduler
+    limit the user set in bytes or turned off)."""
+    if (scheduled_src is None or options.memory_budget != "xla" or "schedule" not in options.passes
+            or options.scheduler.memory_limit_bytes is not None
+            or options.scheduler.memory_limit_ratio is None):
+        return None
+    import hlo_passes
+
+    return xla_scheduler_memory_limit(hlo_passes.parse_module(scheduled_src, source="xla-after-lhs"),
+                                      cost_model.gpu, options.compiler_options)
+
+
+def _plan_on(scheduled_src: str, options, cost_model, seconds: dict,
+             budget: int | None = None) -> dict:
     """Our order of XLA's scheduled module ``scheduled_src`` when "schedule" runs (else as is),
     judged (``fidelity.judge_module``).
 
-    With ``options.memory_budget == "xla"`` the module is planned twice, held to the peak
-    of XLA's order (``options.scheduler``'s limit) and within the budget XLA's own
-    scheduler has on the target (``xla_scheduler_memory_limit``); the faster plan by the
-    judge is kept (the first on a tie). The scheduler's own objective has no overlap
+    With a ``budget`` (``_memory_budget``) the module is planned twice, held to the peak
+    of XLA's order (``options.scheduler``'s limit) and within that budget, the limit XLA's
+    own scheduler has on the target; the faster plan by the judge is kept (the first on a
+    tie). The scheduler's own objective has no overlap
     slowdown, so more memory (more overlap) does not always judge faster.
 
     Returns:
@@ -594,13 +614,8 @@ def _plan_on(scheduled_src: str, options, cost_model, seconds: dict) -> dict:
         return {"handed": scheduled_src, "judged": judge_module(scheduled_src, cost_model),
                 "record": None, "memory": {}}
     plan = _plan_once(scheduled_src, options, cost_model, seconds)
-    if options.memory_budget != "xla" or options.scheduler.memory_limit_bytes is not None \
-            or options.scheduler.memory_limit_ratio is None:
+    if budget is None:
         return plan
-    import hlo_passes
-
-    budget = xla_scheduler_memory_limit(hlo_passes.parse_module(scheduled_src, source="xla-after-lhs"),
-                                        cost_model.gpu, options.compiler_options)
     limit = plan["memory"].get("memory_limit_bytes")
     tried = [{"memory_limit_bytes": limit, "planned_us": round(plan["judged"].us, 1),
               "peak_bytes": plan["memory"].get("peak_bytes")}]
