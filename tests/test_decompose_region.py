@@ -329,3 +329,17 @@ def test_unverifiable_reassociation_is_left_out_with_one_warning():
     assert rec.changed and rec.tolerance == 1e-3
     assert report.first_step_check == "ran: outputs equal the original's (within relative tolerance 0.001)", \
         report.first_step_check
+
+
+def test_region_pull_in_off_and_on_end_to_end():
+    """DecomposeOptions.region_pull_in both ways through optimize (fallback=False, 3 steps close
+    to plain jit): with it, the held-out step's second batch input (the targets ``y``) is split
+    at its sources, so the region has more sources and slices fewer outside operands."""
+    seen = {}
+    for pull in (False, True):
+        _, report, rec = optimised_three_steps("dp_tp", DecomposeOptions(region_degree=2, region_pull_in=pull))
+        (d,) = rec.stats["decomposed"]
+        seen[pull] = d
+        assert report.first_step_check.startswith("ran: outputs equal"), report.first_step_check
+    assert seen[True]["sources"] > seen[False]["sources"]
+    assert seen[True]["slices"] < seen[False]["slices"]
