@@ -222,6 +222,23 @@ def test_fusion_bucket_is_a_decision_not_a_constant():
     assert n_big < n_small
 
 
+def test_list_schedule_feeds_an_idle_stream():
+    """Critical-path priority runs the long task A first and leaves the stream idle;
+    feeding the stream runs the short B first so that its collective C overlaps A."""
+    tasks = [comp("A", 100), comp("E", 100), comp("B", 10), coll("C", 150), comp("D", 10)]
+    g = TaskGraph(tasks, [[], [0], [], [2], [3]])
+    g.validate()
+    crit = list_schedule(g)
+    fed = list_schedule(g, feed_streams=True)
+    assert check_events(g, crit).makespan == pytest.approx(270.0)  # A, B, C after B, D at 260
+    assert check_events(g, fed).makespan == pytest.approx(220.0)   # B, then C over A and E: compute-bound
+    assert [e.task for e in fed if e.phase is Phase.RUN][0] == 2
+    res = schedule(g, FAST)
+    assert res.stats["heuristic_makespan_us"] == pytest.approx(270.0)
+    assert res.stats["heuristic_feed_makespan_us"] == pytest.approx(220.0)
+    assert res.makespan_us == pytest.approx(220.0)
+
+
 # --- properties on random DAGs -------------------------------------------------------
 
 PROP = settings(max_examples=25, deadline=None,
@@ -235,6 +252,7 @@ def test_heuristic_and_decode_valid(seed, n, streams):
     ev = list_schedule(g)
     tl = check_events(g, ev)
     assert tl.makespan >= lower_bound(g) - 1e-6
+    assert check_events(g, list_schedule(g, feed_streams=True)).makespan >= lower_bound(g) - 1e-6
     # Decoding the heuristic's own times gives a valid order that is no slower.
     dec = decode(g, tl.start, tl.end)
     assert check_events(g, dec).makespan <= tl.makespan + 1e-6

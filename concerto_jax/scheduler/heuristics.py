@@ -29,6 +29,7 @@ def list_schedule(
     graph: TaskGraph,
     priority: Sequence[float] | None = None,
     memory_limit_bytes: int | None = None,
+    feed_streams: bool = False,
 ) -> list[Event]:
     """Order the events of ``graph`` by list scheduling.
 
@@ -42,6 +43,13 @@ def list_schedule(
         the critical-path choice would exceed the limit. This is a guide, not a
         guarantee: ``schedule`` checks the timeline with ``checker.peak_memory`` and
         falls back to program order.
+      feed_streams: when no collective is queued and some communication stream would be
+        idle by the time the next compute task ends, run instead the available compute
+        task that leads to a collective soonest (``_to_collective``: the shortest chain
+        of compute before one), ties by priority. A critical-path choice can leave the
+        communication stream idle while a short computation would have fed it (a
+        vocab-parallel loss: chunk 0's small reduction that its all-reduce waits for,
+        behind chunk 1's logits GEMM); ``schedule`` runs both and keeps the faster.
 
     Returns:
       A valid schedule (``TaskGraph.check_schedule`` passes).
@@ -54,6 +62,8 @@ def list_schedule(
     n = len(tasks)
     prio = tails(graph) if priority is None else list(priority)
     is_coll = [t.is_collective for t in tasks]
+    to_coll = _to_collective(graph) if feed_streams else None
+    coll_streams = {t.stream for t in tasks if t.is_collective}
     missing = [len(p) for p in preds]  # predecessors not yet issued (RUN / START)
     coll_ready = [0.0] * n  # latest end of collective predecessors (known once started)
     end = [0.0] * n
@@ -170,7 +180,19 @@ def list_schedule(
             if scheduled < n:
                 raise AssertionError("list_schedule: nothing ready but tasks left (cycle?)")
             break
-        if avail and avail[0][1] == x:
+        fed = False
+        if (to_coll is not None and avail and avail[0][1] == x and len(avail) > 1
+                and not any(queues.values()) and not blocked
+                and any(free.get(k, 0.0) <= horizon for k in coll_streams)):
+            # a stream goes idle within the next task: feed it (docstring, feed_streams)
+            feed = min(avail, key=lambda e: (to_coll[e[1]], e[0]))[1]
+            if to_coll[feed] < to_coll[x] and fits(feed):
+                x, fed = feed, True
+                avail.remove(next(e for e in avail if e[1] == x))
+                heapq.heapify(avail)
+        if fed:
+            pass
+        elif avail and avail[0][1] == x:
             if not fits(x) and len(avail) > 1:
                 x = min(i for _, i in avail)  # memory: program order among the ready ones
                 avail.remove(next(e for e in avail if e[1] == x))
@@ -189,3 +211,23 @@ def list_schedule(
     for c in sorted((c for c in started_colls if not done_issued[c]), key=lambda c: end[c]):
         events.append(Event(c, Phase.DONE))
     return events
+
+
+def _to_collective(graph: TaskGraph) -> list[float]:
+    """Per task: the least compute time (µs, its own duration included) from its start to
+    the launch of a collective along a chain of compute tasks (inf: no collective
+    follows; 0 for a collective). A lower bound: a collective also waits for its other
+    inputs."""
+    tasks = graph.tasks
+    succs = graph.succs
+    inf = float("inf")
+    dist = [0.0 if t.is_collective else inf for t in tasks]
+    for i in reversed(graph.topological_order()):
+        if tasks[i].is_collective:
+            continue
+        best = inf
+        for s in succs[i]:
+            if dist[s] < best:
+                best = dist[s]
+        dist[i] = tasks[i].duration_us + best
+    return dist
