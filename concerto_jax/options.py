@@ -88,8 +88,9 @@ class Options:
     # default), never below the peak of XLA's order; the plan under that budget and the
     # plan held to XLA's order's peak are both judged and the faster kept (the schedule
     # record says which, with both peaks). "input": never above the peak of XLA's order
-    # (Options.scheduler's limit alone). Loop bodies and other called computations are
-    # held to their own input order's peak either way.
+    # (Options.scheduler's limit alone). With "xla" and control flow, each computation
+    # plans within its share of the budget (entry 1/2, a loop body 1/4, nested 1/8, ...:
+    # ``passes.schedule_pass.budget_share``), never below its input order's peak.
     memory_budget: str = "xla"
 
     def __post_init__(self):

@@ -84,6 +84,18 @@ def schedulable_computations(module) -> list[Computation]:
     return order
 
 
+def control_flow_depths(module) -> dict[str, int]:
+    """Nesting depth of every computation reached through control flow: 0 for the entry,
+    one more than its deepest caller for a callee (a body inside a body: 2)."""
+    depth: dict[str, int] = {}
+    for comp in reversed(schedulable_computations(module)):  # callers before callees
+        d = depth.setdefault(comp.name, 0)
+        for inst in comp.instructions:
+            for callee in control_flow_callees(inst):
+                depth[callee.name] = max(depth.get(callee.name, 0), d + 1)
+    return depth
+
+
 def side_effects(comp: Computation) -> list[Instruction]:
     """Instructions of ``comp`` whose relative order is observable."""
     out = []

@@ -100,6 +100,38 @@ def test_schedulable_computations_callees_first():
     assert names == ["cond", "body", "main"], names  # the reducer %add is part of a kernel
 
 
+def test_memory_budget_is_shared_along_the_nesting():
+    """A whole-program budget: the entry plans within half, a loop body within a quarter
+    (its live bytes come on top of its caller's), never below its own input order's peak;
+    a module without control flow gives its entry the whole budget."""
+    from concerto_jax.passes.schedule_pass import budget_share, schedule_computation
+    from concerto_jax.scheduler import ScheduleOptions
+    from hlo_passes.loops import control_flow_depths
+
+    module = _loop(bound=3)
+    assert control_flow_depths(module) == {"main": 0, "body": 1, "cond": 1}
+    budget = 1 << 20
+    assert budget_share(module, module.entry, budget) == budget // 2
+    assert budget_share(module, module.computation("body"), budget) == budget // 4
+    head = _LOOP.split("%cond")[0].replace("{{", "{").replace("}}", "}")
+    flat = hlo_passes.parse_module(head + """ENTRY %main (x: f32[8]) -> f32[8] {
+  %x = f32[8] parameter(0)
+  ROOT %ar = f32[8] all-reduce(%x), replica_groups={}, to_apply=%add
+}
+""")
+    assert control_flow_depths(flat) == {"main": 0}
+    assert budget_share(flat, flat.entry, budget) == budget
+    cm = CostModel(get_cluster("h100_sxm_8"))
+    times: dict = {"program": {}, "scheduled": {}, "bound": {}}
+    opts = Options(passes=("schedule",), scheduler=ScheduleOptions(memory_budget_bytes=budget))
+    limits = {c.name: schedule_computation(module, c, cm, opts, times, []).memory_limit_bytes
+              for c in schedulable_computations(module)}
+    assert limits == {"cond": budget // 4, "body": budget // 4, "main": budget // 2}
+    tiny = Options(passes=("schedule",), scheduler=ScheduleOptions(memory_budget_bytes=8))
+    body = schedule_computation(module, module.computation("body"), cm, tiny, times, [])
+    assert body.memory_limit_bytes == body.input_peak_bytes > 2  # never below the input peak
+
+
 def test_body_graph_knows_its_loop():
     module = _loop(bound=3)
     hg = build_taskgraph(module, CostModel(get_cluster("h100_sxm_8")), computation="body")

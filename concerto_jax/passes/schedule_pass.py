@@ -45,7 +45,7 @@ from concerto_jax.hlo_taskgraph import (
 from concerto_jax.pipeline import PassOutcome, register_pass
 from concerto_jax.scheduler.evaluate import evaluate, lower_bound
 from concerto_jax.taskgraph import Event, Phase
-from hlo_passes.loops import schedulable_computations, side_effects
+from hlo_passes.loops import control_flow_depths, schedulable_computations, side_effects
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,23 @@ class ComputationSchedule:
     memory_limit_bytes: int | None = None
 
 
+def budget_share(module, comp, budget: int) -> int:
+    """The part of a whole-program memory budget that computation ``comp`` is planned within.
+
+    A called computation's live bytes come on top of its callers' at the call, which its
+    own graph does not see. So where the module has control flow, a computation at nesting
+    depth ``d`` (``hlo_passes.loops.control_flow_depths``: entry 0, a loop body 1) gets
+    ``budget / 2**(d + 1)``: along any chain of calls the shares sum to less than the
+    budget. A module without control flow gives its entry the whole budget. (XLA's own
+    scheduler holds every computation to the whole limit.) Each computation's limit is
+    still at least its input order's peak times the ratio (``ScheduleOptions``).
+    """
+    depths = control_flow_depths(module)
+    if len(depths) <= 1:
+        return budget
+    return budget >> (depths.get(comp.name, 0) + 1)
+
+
 def schedule_computation(module, comp, cost_model: CostModel, options, times: dict,
                          problems: list[str]) -> ComputationSchedule:
     """Schedule one computation whose callees are already in ``times``; reorder it in place.
@@ -153,11 +170,9 @@ def schedule_computation(module, comp, cost_model: CostModel, options, times: di
         scheduled_us, changed = evaluate(hg.graph, hg.events), False
     else:
         sched_opts = options.scheduler
-        if comp is not module.entry and sched_opts.memory_budget_bytes is not None:
-            # A budget is for the whole program; a called computation's live bytes come on
-            # top of its caller's at the call, which this graph does not see: keep it to
-            # its own input order's peak (times the ratio).
-            sched_opts = dataclasses.replace(sched_opts, memory_budget_bytes=None)
+        if sched_opts.memory_budget_bytes is not None:
+            sched_opts = dataclasses.replace(sched_opts, memory_budget_bytes=budget_share(
+                module, comp, sched_opts.memory_budget_bytes))
         result = scheduler.schedule(hg.graph, sched_opts, initial=hg.events)
         hg.graph.check_schedule(list(result.events))
         old = list(comp.instructions)
