@@ -320,7 +320,9 @@ def write(rows: list[dict], out_dir: str, prefix: str, command: str, elapsed: fl
         "keeps exactly (`bodies_*`: loop bodies among them), `moved` = instructions the final module places elsewhere "
         "than planned; memory = the scheduler's peak of the entry vs its limit "
         "(MB), the largest loop body's peak (MB, its carried state included) and the worst peak/limit over all "
-        "computations (limit = memory_limit_ratio x XLA's order's peak, per computation). Not measured on a GPU. "
+        "computations (limit per computation: the larger of memory_limit_ratio x XLA's order's peak and, where "
+        "compile_for_target kept the plan within XLA's own scheduler limit, that computation's share of it: "
+        "entry 1/2, loop body 1/4). Not measured on a GPU. "
         f"XLA's collective pipeliner (`xla_gpu_enable_pipelined_*`, stock and ours): {pipeliner_state}.\n",
         "| " + " | ".join(label for _, label in _MD) + " |", "|" + "---|" * len(_MD)]
     lines += ["| " + " | ".join(str(r.get(c, "")) for c, _ in _MD) + " |" for r in rows]
