@@ -73,14 +73,24 @@ def list_schedule(
     free: dict[int, float] = {}
     t = 0.0
     avail: list[tuple[float, int]] = []  # (-priority, i): compute tasks startable at t
+    n_avail = 0  # tasks in avail not yet run (a fed task is left in avail and skipped)
+    gone = [False] * n  # compute tasks already run
+    feedq: list[tuple[float, float, int]] = []  # (to_coll, -priority, i) of the avail tasks
     waiting: list[tuple[float, float, int]] = []  # (ready time, -priority, i)
     queues: dict[int, list[tuple[float, int]]] = {}  # per stream: collectives with inputs issued
+
+    def push_avail(negp: float, i: int) -> None:
+        nonlocal n_avail
+        heapq.heappush(avail, (negp, i))
+        n_avail += 1
+        if to_coll is not None and to_coll[i] < float("inf"):
+            heapq.heappush(feedq, (to_coll[i], negp, i))
 
     def release(i: int) -> None:
         if is_coll[i]:
             heapq.heappush(queues.setdefault(tasks[i].stream, []), (-prio[i], i))
         elif coll_ready[i] <= t:
-            heapq.heappush(avail, (-prio[i], i))
+            push_avail(-prio[i], i)
         else:
             heapq.heappush(waiting, (coll_ready[i], -prio[i], i))
 
@@ -127,7 +137,9 @@ def list_schedule(
     while scheduled < n:
         while waiting and waiting[0][0] <= t:
             _, negp, i = heapq.heappop(waiting)
-            heapq.heappush(avail, (negp, i))
+            push_avail(negp, i)
+        while avail and gone[avail[0][1]]:
+            heapq.heappop(avail)  # a fed task, run earlier
         while blocked and blocked[0][0] <= t:
             _, negp, c = heapq.heappop(blocked)
             heapq.heappush(queues[tasks[c].stream], (negp, c))
@@ -181,26 +193,30 @@ def list_schedule(
                 raise AssertionError("list_schedule: nothing ready but tasks left (cycle?)")
             break
         fed = False
-        if (to_coll is not None and avail and avail[0][1] == x and len(avail) > 1
+        if (to_coll is not None and avail and avail[0][1] == x and n_avail > 1
                 and not any(queues.values()) and not blocked
                 and any(free.get(k, 0.0) <= horizon for k in coll_streams)):
             # a stream goes idle within the next task: feed it (docstring, feed_streams)
-            feed = min(avail, key=lambda e: (to_coll[e[1]], e[0]))[1]
-            if to_coll[feed] < to_coll[x] and fits(feed):
-                x, fed = feed, True
-                avail.remove(next(e for e in avail if e[1] == x))
-                heapq.heapify(avail)
+            while feedq and gone[feedq[0][2]]:
+                heapq.heappop(feedq)
+            if feedq:
+                feed = feedq[0][2]  # shortest chain to a collective, then priority, then index
+                if to_coll[feed] < to_coll[x] and fits(feed):
+                    x, fed = feed, True  # left in avail: skipped once run (gone)
+                    n_avail -= 1
         if fed:
             pass
         elif avail and avail[0][1] == x:
-            if not fits(x) and len(avail) > 1:
-                x = min(i for _, i in avail)  # memory: program order among the ready ones
+            if not fits(x) and n_avail > 1:
+                x = min(i for _, i in avail if not gone[i])  # memory: program order among the ready ones
                 avail.remove(next(e for e in avail if e[1] == x))
                 heapq.heapify(avail)
             else:
                 heapq.heappop(avail)
+            n_avail -= 1
         else:
             heapq.heappop(waiting)
+        gone[x] = True
         issue_done_of_preds(x)
         s = max(t, coll_ready[x])
         t = end[x] = s + tasks[x].duration_us
