@@ -58,6 +58,29 @@ def test_judge_counts_runs_and_costs_the_loop_by_trips():
     assert j.us >= 5 * loop["us"] - 1e-6 and j.bound_us <= j.us + 1e-6
 
 
+def test_judge_sums_compute_and_communication_by_runs():
+    """compute_us / comm_us: every computation's own kernels and transfers, times its runs per
+    step (the while itself is not a kernel): 5 all-reduces, 5 multiplies and adds, 6 compares."""
+    from concerto_jax.hlo_taskgraph import build_taskgraph
+    from hlo_passes.parser import parse_module
+
+    text = _TEXT.replace("num_partitions=1", "num_partitions=8").replace(
+        "replica_groups={}", "replica_groups={{0,1,2,3,4,5,6,7}}")
+    cm = CostModel(get_cluster("h100_sxm_8"))
+    j = judge_module(text, cm)
+    module = parse_module(text)
+    own = {}
+    for comp in module.computations:
+        if comp.name in j.runs:
+            tasks = build_taskgraph(module, cm, computation=comp, nested_us={"w": 0.0}).graph.tasks
+            own[comp.name] = (sum(t.duration_us for t in tasks if not t.is_collective and t.opcode != "while"),
+                              sum(t.duration_us for t in tasks if t.is_collective))
+    assert own["body"][1] > 0 and own["main"][1] == 0 and own["body"][0] > 0
+    assert j.comm_us == pytest.approx(5 * own["body"][1])
+    assert j.compute_us == pytest.approx(own["main"][0] + 5 * own["body"][0] + 6 * own["cond"][0])
+    assert j.compute_us + j.comm_us >= j.bound_us - 1e-6  # nothing overlaps in the sum
+
+
 def test_computation_orders_reads_every_computation():
     orders = computation_orders(_moved(_TEXT))
     assert orders["body"] == ["bp", "bx", "bi", "one", "next", "ar", "y", "t"]

@@ -88,6 +88,10 @@ class Judged:
       runs: computation -> how many times it runs per step (products of trip counts).
       nested_us: computation -> its simulated time in its own order (``us`` of each), for
         rebuilding a caller's graph with its callees' durations.
+      compute_us / comm_us: kernel time and collective transfer time of one step at full
+        speed (no overlap slowdown), every computation's own tasks weighted by its runs per
+        step: what the step computes and communicates, whatever the order. Two programs of
+        the same model (a scanned one and its unrolled twin) can differ here.
     """
 
     us: float
@@ -99,6 +103,11 @@ class Judged:
     overlap: dict[str, dict[str, float]]
     runs: dict[str, int]
     nested_us: dict[str, float] = dataclasses.field(default_factory=dict)
+    compute_us: float = 0.0
+    comm_us: float = 0.0
+
+
+_CONTROL_FLOW = frozenset({"while", "conditional", "call"})
 
 
 def judge_module(text: str, cost_model) -> Judged:
@@ -118,6 +127,7 @@ def judge_module(text: str, cost_model) -> Judged:
     times: dict[str, dict[str, float]] = {"own": {}, "bound": {}}
     bodies = {info.body: info for info in loops_of(module).values()}
     loops, overlap, n_coll, n_loop_coll = [], {}, 0, 0
+    own_work: dict[str, tuple[float, float]] = {}  # computation -> (compute, comm) µs of its own tasks
     comps = schedulable_computations(module)
     for comp in comps:
         nested = {k: control_flow_durations(comp, times[k]) for k in times}
@@ -126,6 +136,9 @@ def judge_module(text: str, cost_model) -> Judged:
         times["own"][comp.name] = sim.step_time_us
         times["bound"][comp.name] = lower_bounds(with_durations(hg, nested["bound"])).bound_us
         overlap[comp.name] = overlap_by_collective(hg.graph, sim)
+        own_work[comp.name] = (
+            sum(t.duration_us for t in hg.graph.tasks if not t.is_collective and t.opcode not in _CONTROL_FLOW),
+            sum(t.duration_us for t in hg.graph.tasks if t.is_collective))
         c = sum(t.is_collective for t in hg.graph.tasks)
         n_coll += c
         if comp.name in bodies:
@@ -145,8 +158,10 @@ def judge_module(text: str, cost_model) -> Judged:
                 for callee in control_flow_callees(inst):
                     runs[callee.name] = runs.get(callee.name, 0) + m
     entry = comps[-1].name
+    compute = sum(runs.get(c, 0) * w[0] for c, w in own_work.items())
+    comm = sum(runs.get(c, 0) * w[1] for c, w in own_work.items())
     return Judged(times["own"][entry], times["bound"][entry], len(comps), loops, n_coll, n_loop_coll,
-                  overlap, runs, dict(times["own"]))
+                  overlap, runs, dict(times["own"]), compute_us=compute, comm_us=comm)
 
 
 def overlap_kept(planned: Judged, final: Judged) -> tuple[float, float]:
