@@ -158,3 +158,27 @@ def test_schedule_is_deterministic_in_process():
     x = schedule(small, opts_small, initial=small.synchronous_schedule())
     y = schedule(small, opts_small, initial=small.synchronous_schedule())
     assert x.events == y.events and x.stats.get("cp_makespan_us") == y.stats.get("cp_makespan_us")
+
+
+def test_cp_sat_memory_model_accepts_an_order_exactly_at_the_limit():
+    """Sizes that are no multiple of CP-SAT's memory unit (limit // 10**6 bytes): an order whose
+    exact peak equals the limit must stay feasible in the model (rounding the demands up made
+    it INFEASIBLE, found on a held-out scanned loop body whose input order sat at its limit)."""
+    from concerto_jax.scheduler import SchedulerError, SolverParams
+    from concerto_jax.scheduler.program_model import solve_program
+
+    a, b = 1_000_000_001, 1_000_000_002  # live together with use's output: the peak is a + b + 7
+    tasks = [Task("a", C, 5.0, 0, out_bytes=a), Task("b", C, 5.0, 0, out_bytes=b),
+             Task("use", C, 5.0, 0, out_bytes=7), Task("tail", C, 5.0, 0, out_bytes=3)]
+    g = TaskGraph(tasks, [[], [], [0, 1], [2]])
+    order = g.synchronous_schedule()
+    limit = _peak(g, order)
+    assert limit == a + b + 7 and limit % max(1, limit // 1_000_000) != 0
+    sol = solve_program(g, SolverParams(time_limit_s=5, num_workers=1), memory_limit_bytes=limit)
+    assert sol.status == "OPTIMAL" and sol.makespan_us == pytest.approx(20.0)
+    # Less than a + b and no order fits: the model says so rather than blaming the time limit.
+    with pytest.raises(SchedulerError, match="infeasible"):
+        solve_program(g, SolverParams(time_limit_s=5, num_workers=1), memory_limit_bytes=a + b - 5000)
+    # schedule() keeps only orders within the exact limit.
+    res = schedule(g, dataclasses.replace(FAST, memory_limit_ratio=1.0), initial=order)
+    assert res.peak_memory_bytes <= limit and res.memory_limit_bytes == limit

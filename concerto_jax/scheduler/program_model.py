@@ -170,10 +170,14 @@ def solve_program(
     solver = make_solver(params)
     status = solver.solve(model, solution_callback(params, f"CP-SAT program model ({len(subset)} tasks)",
                                                    res, " µs"))
+    if status == cp_model.INFEASIBLE:
+        raise SchedulerError(
+            f"CP-SAT proved the model of {len(subset)} tasks infeasible (horizon {horizon} ticks, "
+            f"memory limit {memory_limit_bytes} bytes): no order fits the memory limit")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise SchedulerError(
             f"CP-SAT returned {solver.status_name(status)} on {len(subset)} tasks within "
-            f"{params.time_limit_s}s; raise the time limit or the memory limit")
+            f"{params.time_limit_s}s; raise the time limit")
     starts = tuple(origin + solver.value(task_to_start[i]) * res for i in subset)
     value = int(solver.objective_value)
     bound = value if status == cp_model.OPTIMAL else max(lb, int(solver.best_objective_bound))
@@ -223,11 +227,19 @@ def _retime_hint(graph, order, in_set, dur, rel, free, hint_start_us) -> dict[in
 
 
 def _add_memory(model, graph, subset, in_set, task_to_start, task_to_end, horizon, limit):
-    """Memory as a cumulative resource: out_bytes live from start to the last successor's end."""
+    """Memory as a cumulative resource: out_bytes live from start to the last successor's end.
+
+    Demands and the capacity are in units of ``limit // 10**6`` bytes (small numbers for
+    CP-SAT), both rounded DOWN: the model is then a relaxation of the exact limit, so every
+    order whose exact peak is within ``limit`` is feasible here (rounding demands up made an
+    order exactly at the limit infeasible: CP-SAT proved INFEASIBLE a loop body whose input
+    order sat at its limit). What CP-SAT returns may exceed the exact limit by less than one
+    unit per live buffer; every caller checks the exact peak (``schedule``'s candidates,
+    ``odd_even``'s splices)."""
     holders = [i for i in subset if graph.tasks[i].out_bytes > 0]
     if not holders:
         return
-    unit = max(1, max(limit, 1) // 1_000_000)  # keep demands small for CP-SAT
+    unit = max(1, max(limit, 1) // 1_000_000)
     intervals, demands = [], []
     for i in holders:
         users = [task_to_end[s] for s in graph.succs[i] if s in in_set]
@@ -235,5 +247,5 @@ def _add_memory(model, graph, subset, in_set, task_to_start, task_to_end, horizo
         model.add_max_equality(live_end, [task_to_end[i]] + users)
         size = model.new_int_var(0, horizon, f"live_size_{i}")
         intervals.append(model.new_interval_var(task_to_start[i], size, live_end, f"live_{i}"))
-        demands.append(-(-graph.tasks[i].out_bytes // unit))
+        demands.append(graph.tasks[i].out_bytes // unit)
     model.add_cumulative(intervals, demands, limit // unit)
