@@ -332,6 +332,32 @@ def test_rewrite_guard_near_tie_searches_both_programs(monkeypatch):
 
 
 @needs_plugin
+def test_rewrite_guard_searches_both_programs_when_the_rewrite_loses(monkeypatch):
+    # Without a near-tie margin, the guard decides at the given thresholds only where the
+    # rewrite wins there; where it loses (XLA's combiners may have merged collectives of
+    # different chunks at its default thresholds), both programs get the threshold search.
+    from concerto_jax.decompose.options import DecomposeOptions
+    from concerto_jax.target import program
+
+    monkeypatch.setattr(program, "GUARD_RETUNE_MARGIN", 0.0)
+    step, args = _mlp()
+    outcomes = set()
+    for degree in (2, 4):
+        opts = concerto_jax.Options(passes=("decompose", "schedule"), fallback=False,
+                                    decompose=DecomposeOptions(force_degree=degree),
+                                    combine_thresholds=(1, 8 << 20))
+        res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=opts)
+        guard = next(p for p in res.passes if p.name == "decompose").stats["final_module_guard"]
+        lost = guard["rewritten_planned_us"] >= guard["without_rewrite_planned_us"]
+        outcomes.add(lost)
+        assert ("after_combine_thresholds" in guard) == lost, guard
+        if lost:
+            both = guard["after_combine_thresholds"]
+            assert res.planned_step_us == pytest.approx(min(both.values()), abs=0.11)
+    assert True in outcomes, "no degree made the rewrite lose: the branch is not exercised"
+
+
+@needs_plugin
 def test_combine_thresholds_per_kind_descent():
     # An FSDP step: weight all-gathers and gradient reduce-scatters, two kinds with bytes. After
     # the uniform sizes, one round of coordinate descent per kind (largest first): each of its
