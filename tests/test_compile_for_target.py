@@ -125,6 +125,39 @@ def test_compile_for_target_backend_only_keeps_our_order(tmp_path):
 
 
 @needs_plugin
+def test_host_callbacks_compile_for_a_target_without_its_gpu(caplog):
+    """jax.debug.print / io_callback / jax.debug.callback in a step: JAX needs the target
+    platform's client to lower them, which a deviceless target has not (it raised "Unknown
+    backend: 'gpu'"); the step is lowered and compiled without it, the callbacks stay in the
+    final module, and the computations holding them keep their order (one warning, not one per
+    threshold-search candidate)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import io_callback
+
+    step, args = _mlp()
+    grads = step
+
+    @jax.jit
+    def noisy(w1, w2, x):
+        g1, g2 = grads(w1, w2, x)
+        jax.debug.print("grad norm {n}", n=jnp.linalg.norm(g1.astype(jnp.float32)))
+        io_callback(lambda v: None, None, g2.sum())
+        jax.debug.callback(lambda v: None, g1.mean())
+        return g1, g2
+
+    with caplog.at_level("WARNING", logger="concerto_jax"):
+        res = concerto_jax.compile_for_target(noisy, *args, target="h100_sxm_8", options=concerto_jax.Options(
+            passes=("schedule",), fallback=False, combine_thresholds=(8 << 20,)))
+    assert res.fallback_reason is None and res.via == "backend_only"
+    for text in (res.stock_final_text, res.final_text):
+        assert text.count("xla_ffi_python_gpu_callback") >= 3
+    assert res.final_step_us <= res.stock_step_us * 1.001
+    kept = [r for r in caplog.records if "not fully handled" in r.getMessage()]
+    assert len(kept) == 1 and "side effects" in kept[0].getMessage()
+
+
+@needs_plugin
 def test_backend_only_runs_rewriting_passes_before_xla(monkeypatch):
     """A pass that rewrites the post-SPMD module runs first; XLA's pipeline then runs on OUR module
     (replicated) up to its scheduler, and the backend-only compile takes that module."""

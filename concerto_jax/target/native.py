@@ -133,6 +133,10 @@ def join_idle_pairs(order: list) -> list:
     return order
 
 
+_WARNED: set[str] = set()
+"""Messages of ``reschedule_text`` already logged at WARNING in this process."""
+
+
 def reschedule_text(text: str, cost_model, options) -> Rescheduled:
     """Order every schedulable computation of XLA's scheduled module by our scheduler.
 
@@ -156,7 +160,11 @@ def reschedule_text(text: str, cost_model, options) -> Rescheduled:
     done = [schedule_computation(module, comp, cost_model, options, times, problems)
             for comp in schedulable_computations(module)]
     if problems:
-        log.warning("reschedule: not fully handled: %s", "; ".join(problems))
+        message = "; ".join(problems)
+        # once per message at WARNING: the threshold search reschedules the same module many times
+        log.log(logging.DEBUG if message in _WARNED else logging.WARNING,
+                "reschedule: not fully handled: %s", message)
+        _WARNED.add(message)
     orders = {}
     for c in done:
         comp = module.computation(c.name)

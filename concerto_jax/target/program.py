@@ -51,6 +51,7 @@ from concerto_jax.target.compile import (
     CompileOptions,
     _read_dump,
     compile_lowered,
+    lower_for_target,
     require_gpu_plugin,
 )
 
@@ -254,7 +255,7 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
     cost_model = CostModel(cluster)
     seconds: dict = {}
     t0 = time.perf_counter()
-    lowered = step.trace(*abstract_args, **abstract_kwargs).lower()
+    lowered = lower_for_target(step.trace(*abstract_args, **abstract_kwargs))
     seconds["lower"] = time.perf_counter() - t0
     xla_opts = tuple((k, v) for k, v in dict(options.compiler_options).items())
     stock = compile_lowered(lowered, cluster, CompileOptions(
