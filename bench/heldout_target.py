@@ -172,6 +172,7 @@ def run_layout(layout: str, layers: int) -> dict:
         "stock_comm_us": round(stock.comm_us, 1), "ours_comm_us": round(ours.comm_us, 1),
         "bound_us": round(ours.bound_us, 1),
         "decomposed": "; ".join(f"{d.get('computation')} ax{d.get('axis')} N={d.get('n')} {d.get('sides')}"
+                                + (" rotated" if d.get("rotated") else "")
                                 for d in dec.stats.get("decomposed", [])) if dec and dec.changed else "none",
         "guard": (("kept" if guard.get("kept") else "dropped")
                   + f" ({guard.get('without_rewrite_planned_us')} us without -> {guard.get('rewritten_planned_us')}"

@@ -280,6 +280,10 @@ def _short_stats(rec) -> str:
     per = rec.stats.get("per_loop")
     if per:
         s["why"] = [r.get("why") for r in per]
+    rotations = rec.stats.get("rotations")  # decompose: loop rotations after the region split
+    if rotations:
+        s["rotated"] = [f"{r['loop']}: {r.get('collective') if r.get('rotated') else r.get('why')}"
+                        for r in rotations]
     return f"changed={rec.changed} {s}"
 
 

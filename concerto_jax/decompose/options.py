@@ -104,6 +104,17 @@ class DecomposeOptions:
     # cost: XLA no longer fuses those reductions with their siblings (gpt_tp8_nvlink, XLA's
     # final module: 8,379.0 -> 8,597.3 us). Off: each chunk rounds to bf16 before the add.
     wide_partials: bool = False
+    # After a while body's region split, rotate the loop around one of the body's
+    # collectives (hlo_passes.pipelining.rotate_loop: the last chunk's final collective of
+    # iteration i completes during iteration i + 1, against the next layer's first chunk)
+    # where the rotated body schedules faster within the body's memory limit
+    # (concerto_jax.passes.pipeline_pass.decide_rotation). Bitwise: only the order changes.
+    rotate_loops: bool = True
+    # The whole program's memory budget in bytes (compile_for_target: XLA's own scheduler
+    # limit, Options.memory_budget="xla"), or None. A rotated loop body is planned within
+    # the larger of its input order's limit and its share of the budget
+    # (schedule_pass.budget_share), as the "schedule" pass plans it afterwards.
+    memory_budget_bytes: int | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
         if self.criticality not in ("schedule", "psi"):

@@ -7,7 +7,11 @@ forward and backward pass for a batch axis) becomes ``N`` micro-batches that
 share the weights, each reading them through its own opt-barriers so that XLA
 cannot fuse the chunks back together; weight gradients and losses are summed
 (declared tolerance ``region_tolerance``, 1e-3). Where no computation has a
-region with a positive score, the per-collective **contexts** below.
+region with a positive score, the per-collective **contexts** below. After the region
+split of a loop body, the loop may be **rotated** (``DecomposeOptions.rotate_loops``,
+``pipeline_pass.decide_rotation``): the last chunk's final collective of iteration ``i``
+completes during iteration ``i + 1``, against the next layer's first chunk, where the rotated
+body plans faster within the body's memory limit (bitwise: only the order changes).
 
 Contexts: finds the collectives that independent work cannot hide, grows each one's
 decomposition context along every axis the SPMD rules allow, predicts the
@@ -239,11 +243,39 @@ def _region_split(module, options, dopts: DecomposeOptions, cost_model) -> PassO
                            "comm_us": round(score.comm_us, 1),
                            "overhead_us": round(score.overhead_us, 1),
                            "predicted_gain_us": None})
+    rotations = (_rotate_split_loops(module, options, cost_model, decomposed, dopts.memory_budget_bytes)
+                 if dopts.rotate_loops else [])
     if dropped:
         warnings.warn(f"decompose: {len(dropped)} region splits dropped (the rewrite could not be "
                       f"proven safe); the rest of the module is optimised. First: {dropped[0]}",
                       DecomposeWarning, stacklevel=2)
     stats = {"target": options.target, "strategy": "region", "degree": n,
-             "decomposed": decomposed, "dropped": dropped, "tolerance": tolerance}
+             "decomposed": decomposed, "dropped": dropped, "tolerance": tolerance,
+             "rotations": rotations}
     log.info("decompose (region): %s", stats)
     return PassOutcome(changed=bool(decomposed), stats=stats, tolerance=tolerance)
+
+
+def _rotate_split_loops(module, options, cost_model, decomposed: list[dict],
+                        budget: int | None) -> list[dict]:
+    """After every region split: each while whose body was split gets a rotation where it
+    pays (``pipeline_pass.decide_rotation``, within ``budget``: ``DecomposeOptions.
+    memory_budget_bytes``); the split's record says which (``rotated``).
+    A rotation that fails is skipped with a log line (the split stays)."""
+    from concerto_jax.passes.pipeline_pass import decide_rotation
+
+    records = []
+    for entry in decomposed:
+        loop = next((w for w in module.instructions() if w.opcode == "while"
+                     and w.attr("body") is not None and w.attr("body").name == entry["computation"]),
+                    None)
+        if loop is None:
+            continue
+        try:
+            record = decide_rotation(module, loop, cost_model, options, budget=budget)
+        except (HloError, ValueError) as err:
+            log.warning("decompose: rotation of %s skipped: %s", loop.name, err)
+            record = {"loop": loop.name, "rotated": False, "why": f"failed: {err}"}
+        entry["rotated"] = record.get("collective") if record.get("rotated") else None
+        records.append(record)
+    return records

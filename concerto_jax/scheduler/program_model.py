@@ -24,6 +24,7 @@ from ortools.sat.python import cp_model
 from concerto_jax.scheduler.rcpsp import (
     SchedulerError,
     SolverParams,
+    SolverTimeout,
     make_solver,
     solution_callback,
 )
@@ -174,6 +175,10 @@ def solve_program(
         raise SchedulerError(
             f"CP-SAT proved the model of {len(subset)} tasks infeasible (horizon {horizon} ticks, "
             f"memory limit {memory_limit_bytes} bytes): no order fits the memory limit")
+    if status == cp_model.UNKNOWN:
+        raise SolverTimeout(
+            f"CP-SAT returned {solver.status_name(status)} on {len(subset)} tasks within "
+            f"{params.time_limit_s}s; raise the time limit")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise SchedulerError(
             f"CP-SAT returned {solver.status_name(status)} on {len(subset)} tasks within "

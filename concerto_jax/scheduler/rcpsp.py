@@ -42,6 +42,11 @@ class SchedulerError(RuntimeError):
     """The solver failed (no solution within the limits, or an invalid model)."""
 
 
+class SolverTimeout(SchedulerError):
+    """CP-SAT found no solution within its time limit (status UNKNOWN): not a failure of the
+    model; a caller holding a heuristic schedule keeps it."""
+
+
 @dataclasses.dataclass(frozen=True)
 class SolverParams:
     """CP-SAT parameters passed through to the solver."""

@@ -128,14 +128,16 @@ def _pipeline_options(options):
     return dataclasses.replace(options, passes=passes)
 
 
-def _with_fused_reference(options, reference: str | None):
+def _with_fused_reference(options, reference: str | None, budget: int | None = None):
     """``options`` whose decompose pass costs the post-SPMD module by XLA's fusion of the same
     step (``DecomposeOptions.fused_reference`` = ``reference``, XLA's scheduled module of the
-    stock compile); unchanged when decompose does not run or there is no reference."""
+    stock compile) and plans loop rotations within the program's memory budget
+    (``DecomposeOptions.memory_budget_bytes`` = ``budget``, ``_memory_budget``); unchanged
+    when decompose does not run or there is no reference."""
     if reference is None or "decompose" not in options.passes:
         return options
     return dataclasses.replace(options, decompose=dataclasses.replace(
-        options.decompose, fused_reference=reference))
+        options.decompose, fused_reference=reference, memory_budget_bytes=budget))
 
 
 def _copy_to_reshape(text: str) -> str:
@@ -352,9 +354,13 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
     stock_compile_options = compile_options = pjrt_c.spmd_compile_options(
         len(devices), env, device_ids=[d.id for d in devices])
     rewritten = False
+    # XLA's own scheduler limit for this program (parameters and outputs: the same for
+    # every rewrite and threshold candidate), or None (Options.memory_budget="input")
+    budget = _memory_budget(stock_src, options, cost_model)
     if rewriting:
         t0 = time.perf_counter()
-        pre_opts = _with_fused_reference(dataclasses.replace(options, passes=rewriting), scheduled_src)
+        pre_opts = _with_fused_reference(dataclasses.replace(options, passes=rewriting), scheduled_src,
+                                         budget)
         pre = pipeline.run(stock.post_spmd_text, pre_opts)
         seconds["pipeline"] = time.perf_counter() - t0
         records += pre.passes
@@ -371,9 +377,6 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
         raise RuntimeError("XLA wrote no scheduled module (no dump before its post-scheduling "
                            "pipelines nor after its latency hiding scheduler; XLA_FLAGS overriding "
                            "--xla_dump_to?)")
-    # XLA's own scheduler limit for this program (parameters and outputs: the same for
-    # every rewrite and threshold candidate), or None (Options.memory_budget="input")
-    budget = _memory_budget(stock_src or scheduled_src, options, cost_model)
     plan = _plan_on(scheduled_src, options, cost_model, seconds, budget)
     tune = bool(options.combine_thresholds and options.passes)
 
