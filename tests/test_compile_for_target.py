@@ -158,6 +158,52 @@ def test_host_callbacks_compile_for_a_target_without_its_gpu(caplog):
 
 
 @needs_plugin
+def test_rotation_guard_keeps_the_faster_program_on_xlas_module():
+    """A loop rotation is decided on the post-SPMD graph; compile_for_target plans the program
+    with every rotation and without each one on XLA's scheduled module and keeps the fastest
+    (here the forward loop's rotation plans slower there and is undone)."""
+    from functools import partial
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = concerto_jax.target_mesh("h100_sxm_8", (8,), ("m",))
+    col, row = NamedSharding(mesh, P(None, None, "m")), NamedSharding(mesh, P(None, "m", None))
+
+    def loss(params, x):
+        def layer(h, w):
+            return h + jnp.tanh(h @ w[0]) @ w[1], None
+
+        return jnp.mean(jax.lax.scan(layer, x, params)[0].astype(jnp.float32) ** 2)
+
+    @partial(jax.jit, out_shardings=((col, row), NamedSharding(mesh, P())))
+    def step(params, x):
+        v, g = jax.value_and_grad(loss)(params, x)
+        return jax.tree.map(lambda p, q: p - 0.1 * q, params, g), v
+
+    sd = lambda shape, sh: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sh)  # noqa: E731
+    res = concerto_jax.compile_for_target(
+        step, (sd((3, 512, 2048), col), sd((3, 2048, 512), row)), sd((1024, 512), NamedSharding(mesh, P())),
+        target="h100_sxm_8", options=concerto_jax.Options(passes=("decompose", "schedule"), fallback=False,
+                                                          combine_thresholds=()))
+    stats = res.passes[0].stats
+    assert stats["strategy"] == "region"
+    guard = stats["rotation_guard"]
+    rotated = {k.removeprefix("without ") for k in guard["planned_us"] if k != "all"}
+    assert rotated and "all" in guard["planned_us"]
+    best = min(guard["planned_us"].values())
+    kept = f"without {guard['not_rotated'][0]}" if guard["not_rotated"] else "all"
+    assert guard["planned_us"][kept] == best
+    # the rewrite guard then judges the kept variant
+    assert stats["final_module_guard"]["rewritten_planned_us"] == best
+    skipped = {r["body"] for r in stats["rotations"] if str(r.get("why", "")).startswith("skipped")}
+    assert skipped == set(guard["not_rotated"])
+    assert res.final_step_us <= res.stock_step_us * 1.001
+
+
+@needs_plugin
 def test_backend_only_runs_rewriting_passes_before_xla(monkeypatch):
     """A pass that rewrites the post-SPMD module runs first; XLA's pipeline then runs on OUR module
     (replicated) up to its scheduler, and the backend-only compile takes that module."""

@@ -110,6 +110,9 @@ class DecomposeOptions:
     # where the rotated body schedules faster within the body's memory limit
     # (concerto_jax.passes.pipeline_pass.decide_rotation). Bitwise: only the order changes.
     rotate_loops: bool = True
+    # Loop bodies (computation names of the post-SPMD module) not to rotate:
+    # compile_for_target's rotation guard sets it when a rotation loses on XLA's module.
+    rotate_skip: tuple[str, ...] = ()
     # The whole program's memory budget in bytes (compile_for_target: XLA's own scheduler
     # limit, Options.memory_budget="xla"), or None. A rotated loop body is planned within
     # the larger of its input order's limit and its share of the budget

@@ -243,8 +243,8 @@ def _region_split(module, options, dopts: DecomposeOptions, cost_model) -> PassO
                            "comm_us": round(score.comm_us, 1),
                            "overhead_us": round(score.overhead_us, 1),
                            "predicted_gain_us": None})
-    rotations = (_rotate_split_loops(module, options, cost_model, decomposed, dopts.memory_budget_bytes)
-                 if dopts.rotate_loops else [])
+    rotations = (_rotate_split_loops(module, options, cost_model, decomposed, dopts.memory_budget_bytes,
+                                     skip=dopts.rotate_skip) if dopts.rotate_loops else [])
     if dropped:
         warnings.warn(f"decompose: {len(dropped)} region splits dropped (the rewrite could not be "
                       f"proven safe); the rest of the module is optimised. First: {dropped[0]}",
@@ -257,10 +257,11 @@ def _region_split(module, options, dopts: DecomposeOptions, cost_model) -> PassO
 
 
 def _rotate_split_loops(module, options, cost_model, decomposed: list[dict],
-                        budget: int | None) -> list[dict]:
+                        budget: int | None, skip: tuple[str, ...] = ()) -> list[dict]:
     """After every region split: each while whose body was split gets a rotation where it
     pays (``pipeline_pass.decide_rotation``, within ``budget``: ``DecomposeOptions.
-    memory_budget_bytes``); the split's record says which (``rotated``).
+    memory_budget_bytes``) unless its body is in ``skip``; the split's record says which
+    (``rotated``).
     A rotation that fails is skipped with a log line (the split stays)."""
     from concerto_jax.passes.pipeline_pass import decide_rotation
 
@@ -270,6 +271,11 @@ def _rotate_split_loops(module, options, cost_model, decomposed: list[dict],
                      and w.attr("body") is not None and w.attr("body").name == entry["computation"]),
                     None)
         if loop is None:
+            continue
+        if entry["computation"] in skip:
+            records.append({"loop": loop.name, "body": entry["computation"], "rotated": False,
+                            "why": "skipped (DecomposeOptions.rotate_skip)"})
+            entry["rotated"] = None
             continue
         try:
             record = decide_rotation(module, loop, cost_model, options, budget=budget)

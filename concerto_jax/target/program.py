@@ -353,7 +353,7 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
     stock_src = scheduled_src = stock.scheduled_text or stock.after_lhs_text
     stock_compile_options = compile_options = pjrt_c.spmd_compile_options(
         len(devices), env, device_ids=[d.id for d in devices])
-    rewritten = False
+    rewritten, planned = False, None
     # XLA's own scheduler limit for this program (parameters and outputs: the same for
     # every rewrite and threshold candidate), or None (Options.memory_budget="input")
     budget = _memory_budget(stock_src, options, cost_model)
@@ -363,21 +363,24 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
                                          budget)
         pre = pipeline.run(stock.post_spmd_text, pre_opts)
         seconds["pipeline"] = time.perf_counter() - t0
-        records += pre.passes
         if any(r.changed for r in pre.passes):
             # XLA's pipeline up to (and through) its scheduler on OUR program.
             _, _, dt, scheduled_src = compile_replicated_for_target(pre.text, devices, env, after_lhs=True)
             seconds["xla_passes_compile"] = dt
+            pre, scheduled_src, planned = _rotation_guard(
+                pre, pre_opts, scheduled_src, stock.post_spmd_text, devices, env, options, cost_model,
+                seconds, budget)
             opts = replicated_compile_options(devices)
             if env:
                 opts.env_option_overrides = list(env.items())
             compile_options = opts.SerializeAsString()
             rewritten = True
+        records += pre.passes
     if scheduled_src is None:
         raise RuntimeError("XLA wrote no scheduled module (no dump before its post-scheduling "
                            "pipelines nor after its latency hiding scheduler; XLA_FLAGS overriding "
                            "--xla_dump_to?)")
-    plan = _plan_on(scheduled_src, options, cost_model, seconds, budget)
+    plan = planned or _plan_on(scheduled_src, options, cost_model, seconds, budget)
     tune = bool(options.combine_thresholds and options.passes)
 
     def scheduled_at_rewritten(env_t):  # our program: XLA's pipeline on the per-device module
@@ -456,6 +459,46 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
     _dump(options.dump_dir, "final.hlo", final)
     return dict(final=final, planned=handed, planned_judged=plan["judged"], emitted=handed,
                 scheduled=handed, passes=records, pins=0, via="backend_only", **plan["memory"])
+
+
+def _rotation_guard(pre, pre_opts, scheduled_src: str, post_spmd: str, devices, env, options,
+                    cost_model, seconds: dict, budget):
+    """Keep each loop rotation of the decompose pass only where XLA's module of the program
+    plans faster with it: ``(pipeline result, XLA's scheduled module, its plan or None)``.
+
+    A rotation is decided on the post-SPMD graph, which does not see XLA's own loop passes
+    (its collective pipeliner moves gradient all-reduces across iterations too; its
+    reassociation merges all-reduce pairs a cut can separate). So the program with every
+    rotation is planned on XLA's scheduled module against the same program with one rotated
+    loop left as it was, for each rotated loop (one more decompose + XLA compile + plan
+    each); the fastest is kept, and the decompose record gets ``rotation_guard``.
+    """
+    from concerto_jax import pipeline
+
+    rec = next((r for r in pre.passes if r.name == "decompose"), None)
+    rotated = [r["body"] for r in (rec.stats.get("rotations") or []) if r.get("rotated")] if rec else []
+    if not rotated:
+        return pre, scheduled_src, None
+    t0 = time.perf_counter()
+    plan = _plan_on(scheduled_src, options, cost_model, {}, budget)
+    best = (plan["judged"].us, pre, scheduled_src, (), plan)
+    tried = {"all": round(best[0], 1)}
+    for body in rotated:
+        dopts = dataclasses.replace(pre_opts.decompose, rotate_skip=(body,))
+        alt = pipeline.run(post_spmd, dataclasses.replace(pre_opts, decompose=dopts))
+        _, _, _, src = compile_replicated_for_target(alt.text, devices, env, after_lhs=True)
+        plan = _plan_on(src, options, cost_model, {}, budget)
+        us = plan["judged"].us
+        tried[f"without {body}"] = round(us, 1)
+        if us < best[0]:
+            best = (us, alt, src, (body,), plan)
+    _, pre, scheduled_src, skipped, plan = best
+    seconds["rotation_guard"] = time.perf_counter() - t0
+    guard = {"planned_us": tried, "not_rotated": list(skipped)}
+    log.info("compile_for_target: rotation guard %s", guard)
+    passes = tuple(dataclasses.replace(r, stats={**r.stats, "rotation_guard": guard})
+                   if r.name == "decompose" else r for r in pre.passes)
+    return dataclasses.replace(pre, passes=passes), scheduled_src, plan
 
 
 COMBINED_KINDS = ("all-reduce", "all-gather", "reduce-scatter")
