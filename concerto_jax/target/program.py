@@ -466,9 +466,9 @@ def _rotation_guard(pre, pre_opts, scheduled_src: str, post_spmd: str, devices, 
     """Keep each loop rotation of the decompose pass only where XLA's module of the program
     plans faster with it: ``(pipeline result, XLA's scheduled module, its plan or None)``.
 
-    A rotation is decided on the post-SPMD graph, which does not see XLA's own loop passes
-    (its collective pipeliner moves gradient all-reduces across iterations too; its
-    reassociation merges all-reduce pairs a cut can separate). So the program with every
+    A rotation is decided on the post-SPMD graph, which does not see what XLA's passes make
+    of the rotated loop (fusion across the cut, all-reduce pairs its reassociation merges,
+    its own loop pipelining). So the program with every
     rotation is planned on XLA's scheduled module against the same program with one rotated
     loop left as it was, for each rotated loop (one more decompose + XLA compile + plan
     each); the fastest is kept, and the decompose record gets ``rotation_guard``.
