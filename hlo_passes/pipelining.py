@@ -296,16 +296,33 @@ def rotation_of(module, inst: Instruction, collective: str) -> tuple[Rotation | 
     problem = loop_shape_problem(module, inst, info)
     if problem is not None:
         return None, problem
-    if not info.trip_count:
-        return None, "zero trips"
-    body, cond = module.computation(info.body), module.computation(info.condition)
-    root, param = body.root, body.parameters[0]
+    body = module.computation(info.body)
     try:
         coll = body.instruction(collective)
     except KeyError:
         return None, f"%{collective} is not in %{body.name}"
+    return _rotation(module, info, coll)
+
+
+def rotation_candidates(module, inst: Instruction) -> list[Rotation]:
+    """Every rotation of ``inst``'s body (one per synchronous collective that allows one)."""
+    info = analyze_while(inst)
+    if loop_shape_problem(module, inst, info) is not None:
+        return []
+    body = module.computation(info.body)
+    rotations = [_rotation(module, info, x)[0] for x in body.instructions
+                 if x.is_collective and x.async_role is None]
+    return [r for r in rotations if r is not None]
+
+
+def _rotation(module, info: LoopInfo, coll: Instruction) -> tuple[Rotation | None, str | None]:
+    """``rotation_of`` for a loop whose shape ``loop_shape_problem`` accepted."""
+    if not info.trip_count:
+        return None, "zero trips"
+    body, cond = module.computation(info.body), module.computation(info.condition)
+    root, param = body.root, body.parameters[0]
     if not coll.is_collective or coll.async_role is not None:
-        return None, f"%{collective} is not a synchronous collective"
+        return None, f"%{coll.name} is not a synchronous collective"
     tail: dict[int, Instruction] = {}
     stack = [coll]
     while stack:
@@ -332,7 +349,10 @@ def rotation_of(module, inst: Instruction, collective: str) -> tuple[Rotation | 
     why = _unclonable(order) or _unclonable(head)
     if why is not None:
         return None, why
-    direct = _direct_slots(root, param, slots)
+    # Slots the tail reads from the state itself, not carried: those it computes (one
+    # iteration late, a slot holds exactly the value the late tail needs) and the
+    # loop-invariant ones.
+    direct = set(slots) | {c.index for c in info.carried if c.invariant}
     carried: list[Instruction] = []
     for x in order:
         for o in x.operands:
@@ -347,32 +367,8 @@ def rotation_of(module, inst: Instruction, collective: str) -> tuple[Rotation | 
         # e.g. add(all-reduce(a), all-reduce(b)) cut between its operands: XLA's all-reduce
         # reassociation (one all-reduce of a + b) would be lost, one more transfer per trip
         return None, "the tail combines its collective with another collective's result"
-    return Rotation(collective, tuple(x.name for x in order), slots, tuple(o.name for o in carried),
+    return Rotation(coll.name, tuple(x.name for x in order), slots, tuple(o.name for o in carried),
                     sum(o.shape.byte_size for o in carried)), None
-
-
-def _direct_slots(root, param, slots) -> set[int]:
-    """Loop-state slots the rotated tail reads from the state itself, not carried: those it
-    computes (one iteration late, a slot holds exactly the value the late tail needs) and
-    the loop-invariant ones."""
-    invariant = {j for j, o in enumerate(root.operands)
-                 if o.opcode == "get-tuple-element" and o.operands[0] is param and o.tuple_index == j}
-    return set(slots) | invariant
-
-
-def rotation_candidates(module, inst: Instruction) -> list[Rotation]:
-    """Every rotation of ``inst``'s body (one per synchronous collective that allows one)."""
-    info = analyze_while(inst)
-    if loop_shape_problem(module, inst, info) is not None:
-        return []
-    body = module.computation(info.body)
-    out = []
-    for x in body.instructions:
-        if x.is_collective and x.async_role is None:
-            rot, _ = rotation_of(module, inst, x.name)
-            if rot is not None:
-                out.append(rot)
-    return out
 
 
 def _set_trip_count(inst: Instruction, trips: int) -> None:

@@ -59,8 +59,9 @@ def _schedule_body(module, body_name: str, cost_model: CostModel, sched_options)
     return _Body(result.makespan_us, result.input_peak_memory_bytes, result.peak_memory_bytes)
 
 
-def _prologue_us(module, names: list[str], parent: str, cost_model: CostModel) -> float:
-    hg = build_taskgraph(module, cost_model, computation=parent)
+def _serial_us(module, names, computation: str, cost_model: CostModel) -> float:
+    """The named instructions' task durations in ``computation``'s graph, summed."""
+    hg = build_taskgraph(module, cost_model, computation=computation)
     return sum(hg.graph.tasks[hg.task_of[n]].duration_us for n in names if n in hg.task_of)
 
 
@@ -87,7 +88,7 @@ def decide_loop(module, inst, cost_model: CostModel, options) -> dict:
     trial_options = options.scheduler if limit is None else dataclasses.replace(
         options.scheduler, memory_limit_bytes=limit)
     new = _schedule_body(trial, info.body, cost_model, trial_options)
-    prologue_us = _prologue_us(trial, prologue, inst.parent.name, cost_model)
+    prologue_us = _serial_us(trial, prologue, inst.parent.name, cost_model)
     before = info.trip_count * base.makespan_us
     after = info.trip_count * new.makespan_us + prologue_us
     record.update(body_us=round(base.makespan_us, 1), pipelined_body_us=round(new.makespan_us, 1),
@@ -146,17 +147,16 @@ def decide_rotation(module, inst, cost_model: CostModel, options, budget: int | 
     if limit is not None and budget is not None:
         from concerto_jax.passes.schedule_pass import budget_share
 
-        limit = max(limit, budget_share(module, module.computation(info.body), budget))
+        limit = max(limit, budget_share(module, body, budget))
     trial_options = options.scheduler if limit is None else dataclasses.replace(
         options.scheduler, memory_limit_bytes=limit)
-    hg = build_taskgraph(module, cost_model, computation=info.body)
     tried, best = [], None
     for rot in reversed(cands):  # ties go to the body's last collective (the last chunk's)
         trial = hlo_passes.parse_module(hlo_passes.module_to_text(module))
         rotate_loop(trial, trial.computation(inst.parent.name).instruction(inst.name), rot.collective)
         new = _schedule_body(trial, info.body, cost_model, trial_options)
         fits = limit is None or new.peak_bytes is None or new.peak_bytes <= limit
-        tail_us = sum(hg.graph.tasks[hg.task_of[n]].duration_us for n in rot.tail if n in hg.task_of)
+        tail_us = _serial_us(module, rot.tail, info.body, cost_model)
         after = (info.trip_count - 1) * new.makespan_us + base.makespan_us + tail_us
         tried.append({"collective": rot.collective, "body_us": round(new.makespan_us, 1),
                       "loop_us": round(after, 1), "carried_bytes": rot.bytes,

@@ -175,12 +175,8 @@ def solve_program(
         raise SchedulerError(
             f"CP-SAT proved the model of {len(subset)} tasks infeasible (horizon {horizon} ticks, "
             f"memory limit {memory_limit_bytes} bytes): no order fits the memory limit")
-    if status == cp_model.UNKNOWN:
-        raise SolverTimeout(
-            f"CP-SAT returned {solver.status_name(status)} on {len(subset)} tasks within "
-            f"{params.time_limit_s}s; raise the time limit")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        raise SchedulerError(
+        raise (SolverTimeout if status == cp_model.UNKNOWN else SchedulerError)(
             f"CP-SAT returned {solver.status_name(status)} on {len(subset)} tasks within "
             f"{params.time_limit_s}s; raise the time limit")
     starts = tuple(origin + solver.value(task_to_start[i]) * res for i in subset)
