@@ -88,6 +88,10 @@ CLUSTERS: dict[str, Cluster] = {
         Cluster("h100_sxm_2x8", specs.H100_SXM, 2, 8, specs.nvlink(450e9, _H100_NVL),
                 specs.network(400.0, _NDR_400), "h100_sxm.txtpb", "h100x16",
                 "2 hosts x 8 H100 SXM, NVLink in a host, 400 Gb/s NDR IB per GPU between hosts"),
+        Cluster("h100_sxm_2x4", specs.H100_SXM, 2, 4, specs.nvlink(450e9, _H100_NVL),
+                specs.network(400.0, _NDR_400), "h100_sxm.txtpb", "h100x8_2hosts",
+                "2 hosts x 4 H100 SXM (HGX 4-GPU boards), NVLink in a host, 400 Gb/s NDR IB per GPU "
+                "between hosts (8 devices: the size of the CPU-emulated test meshes)"),
         Cluster("h100_pcie_8", specs.H100_PCIE, 1, 8, specs.pcie(64e9, _PCIE5), None,
                 "h100_pcie.txtpb", "h100pcie_x8", "8x H100 PCIe, no NVLink (PCIe Gen5)"),
         Cluster("a100_80_8", specs.A100_SXM_80, 1, 8, specs.nvlink(300e9, _A100_NVL), None,

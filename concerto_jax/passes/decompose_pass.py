@@ -13,6 +13,13 @@ split of a loop body, the loop may be **rotated** (``DecomposeOptions.rotate_loo
 completes during iteration ``i + 1``, against the next layer's first chunk, where the rotated
 body plans faster within the body's memory limit (bitwise: only the order changes).
 
+After either strategy, **all-reduces of replicated operands**
+(``DecomposeOptions.replicated_reductions``, ``concerto_jax.decompose.replicated``): an
+all-reduce whose operand every device of an orthogonal group holds equal (a replicated
+parameter's gradient under data x tensor parallelism, proven by ``hlo_passes.uniformity``)
+reduces ``1/h`` of it and all-gathers the rest over that group, where the cost model says
+it is cheaper (across hosts; bitwise: each element is reduced over the same devices).
+
 Contexts: finds the collectives that independent work cannot hide, grows each one's
 decomposition context along every axis the SPMD rules allow, predicts the
 gain of each degree, chooses by CP-SAT, revises the choice by scheduling and
@@ -66,6 +73,48 @@ def decompose_pass(module, options) -> PassOutcome:
     """Decompose ``module``'s critical collectives; see the module docstring."""
     dopts = getattr(options, "decompose", None) or DecomposeOptions()
     cost_model = CostModel(get_cluster(options.target))
+    outcome = _split(module, options, dopts, cost_model)
+    if not dopts.replicated_reductions:
+        return outcome
+    records = _replicated_reductions(module, cost_model)
+    if not records:
+        return outcome
+    return PassOutcome(changed=True, stats={**outcome.stats, "replicated": records},
+                       tolerance=outcome.tolerance)
+
+
+def _replicated_reductions(module, cost_model) -> list[dict]:
+    """Every all-reduce of an operand replicated over an orthogonal group whose sliced form
+    is cheaper (``concerto_jax.decompose.replicated``), rewritten; one record each."""
+    from concerto_jax.decompose.replicated import plan_replicated_reductions
+    from hlo_passes.decompose_rewrite import max_channel_id, split_replicated_all_reduce
+
+    next_id = [max_channel_id(module)]
+
+    def fresh() -> int:
+        next_id[0] += 1
+        return next_id[0]
+
+    records = []
+    for plan in plan_replicated_reductions(module, cost_model):
+        inst = plan.pop("instruction")
+        name = inst.name
+        try:
+            split_replicated_all_reduce(inst, plan["gather_groups"], plan["dim"], fresh)
+        except HloError as err:
+            log.warning("decompose: all-reduce %s of a replicated operand left whole: %s", name, err)
+            continue
+        records.append({"collective": name, "computation": plan["computation"], "h": plan["h"],
+                        "dim": plan["dim"], "bytes": plan["bytes"], "before_us": plan["before_us"],
+                        "after_us": plan["after_us"],
+                        "gather_groups": len(plan["gather_groups"])})
+    if records:
+        log.info("decompose: %d all-reduces of replicated operands sliced: %s", len(records), records)
+    return records
+
+
+def _split(module, options, dopts: DecomposeOptions, cost_model) -> PassOutcome:
+    """The region or context split (module docstring)."""
     calibration = Calibration.load(dopts.calibration_path or CALIBRATION_FILE)
     measured_slowdown = calibration.overlap_slowdown
     if calibration.platform != "gpu":

@@ -1,0 +1,207 @@
+"""All-reduces of replicated operands (``concerto_jax.decompose.replicated``): the uniformity
+analysis (``hlo_passes.uniformity``) on hand-written modules, and a DP x TP train step whose
+replicated embedding table's gradient is reduced as slices + all-gather, bitwise equal to
+plain jit."""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import concerto_jax
+import hlo_passes
+from concerto_jax.capture import capture
+from concerto_jax.costmodel import CostModel, get_cluster
+from concerto_jax.decompose import DecomposeOptions
+from concerto_jax.decompose.replicated import aligned, complement_groups, plan_replicated_reductions
+from hlo_passes.uniformity import Uniformity, labels_of_groups, sharding_tile_keys
+from tests._helpers import assert_tree_bitwise
+
+TP = [[0, 1, 2, 3], [4, 5, 6, 7]]  # the "model" groups of a (2, 4) mesh
+DP = [[0, 4], [1, 5], [2, 6], [3, 7]]  # its "data" groups
+
+
+def test_sharding_tile_keys_read_replicated_subgroups():
+    shape = hlo_passes.parse_shape("f32[8,16]")
+    same_within = lambda keys, groups: all(len({int(keys[d]) for d in g}) == 1 for g in groups)  # noqa: E731
+    # Batch-sharded over "data", replicated over "model": one tile per TP group.
+    keys = sharding_tile_keys("{devices=[2,1,4]<=[8] last_tile_dim_replicate}", shape, 8)
+    assert same_within(keys, TP) and not same_within(keys, DP)
+    # Sharded over "model", replicated over "data" (a transposed iota): one tile per DP group.
+    keys = sharding_tile_keys("{devices=[1,4,2]<=[2,4]T(1,0) last_tile_dim_replicate}", shape, 8)
+    assert same_within(keys, DP) and not same_within(keys, TP)
+    # The explicit device list form of the same.
+    keys = sharding_tile_keys("{devices=[1,4,2]0,4,1,5,2,6,3,7 last_tile_dim_replicate}", shape, 8)
+    assert same_within(keys, DP) and not same_within(keys, TP)
+    assert same_within(sharding_tile_keys("{replicated}", shape, 8), [list(range(8))])
+    # Manual subgroups, maximal and missing shardings prove nothing.
+    for text in ("{devices=[2,1,4]<=[8] last_tile_dims={manual}}", "{maximal device=0}", "{manual}", None):
+        keys = sharding_tile_keys(text, shape, 8)
+        assert len(set(keys.tolist())) == 8, text
+    tup = hlo_passes.parse_shape("(f32[8,16], s32[])")
+    a, b = sharding_tile_keys("{{devices=[2,1,4]<=[8] last_tile_dim_replicate}, {replicated}}", tup, 8)
+    assert same_within(a, TP) and same_within(b, [list(range(8))])
+
+
+_MODULE = """HloModule m, num_partitions=8
+
+add {
+  a = f32[] parameter(0)
+  b = f32[] parameter(1)
+  ROOT s = f32[] add(a, b)
+}
+
+cond {
+  st = (s32[], f32[4]) parameter(0)
+  i = s32[] get-tuple-element(st), index=0
+  n = s32[] constant(3)
+  ROOT lt = pred[] compare(i, n), direction=LT
+}
+
+body {
+  st = (s32[], f32[4]) parameter(0)
+  i = s32[] get-tuple-element(st), index=0
+  v = f32[4] get-tuple-element(st), index=1
+  one = s32[] constant(1)
+  i1 = s32[] add(i, one)
+  v1 = f32[4] multiply(v, v)
+  ROOT out = (s32[], f32[4]) tuple(i1, v1)
+}
+
+body_pid {
+  st = (s32[], f32[4]) parameter(0)
+  i = s32[] get-tuple-element(st), index=0
+  v = f32[4] get-tuple-element(st), index=1
+  one = s32[] constant(1)
+  i1 = s32[] add(i, one)
+  pid = u32[] partition-id()
+  f = f32[] convert(pid)
+  fb = f32[4] broadcast(f), dimensions={}
+  v1 = f32[4] add(v, fb)
+  ROOT out = (s32[], f32[4]) tuple(i1, v1)
+}
+
+ENTRY e {
+  x = f32[4] parameter(0), sharding={devices=[2,4]<=[8] last_tile_dim_replicate}
+  w = f32[4] parameter(1), sharding={replicated}
+  pid = u32[] partition-id()
+  f = f32[] convert(pid)
+  fb = f32[4] broadcast(f), dimensions={}
+  local = f32[4] add(w, fb)
+  tp_sum = f32[4] all-reduce(local), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true, to_apply=add
+  dp_sum = f32[4] all-reduce(x), channel_id=2, replica_groups={{0,4},{1,5},{2,6},{3,7}}, use_global_device_ids=true, to_apply=add
+  dp_local = f32[4] all-reduce(local), channel_id=3, replica_groups={{0,4},{1,5},{2,6},{3,7}}, use_global_device_ids=true, to_apply=add
+  zero = s32[] constant(0)
+  init = (s32[], f32[4]) tuple(zero, x)
+  loop = (s32[], f32[4]) while(init), condition=cond, body=body
+  looped = f32[4] get-tuple-element(loop), index=1
+  loop_pid = (s32[], f32[4]) while(init), condition=cond, body=body_pid
+  looped_pid = f32[4] get-tuple-element(loop_pid), index=1
+  ROOT t = (f32[4], f32[4], f32[4], f32[4], f32[4], f32[4]) tuple(local, tp_sum, dp_sum, dp_local, looped, looped_pid)
+}
+"""
+
+
+def test_uniformity_rules_on_a_module():
+    module = hlo_passes.parse_module(_MODULE)
+    over_tp = Uniformity(module, labels_of_groups(TP, 8))
+    over_dp = Uniformity(module, labels_of_groups(DP, 8))
+    comp = module.entry
+    get = comp.instruction
+    assert over_tp.uniform(get("x")) and not over_dp.uniform(get("x"))  # batch sharded over data
+    assert not over_tp.uniform(get("local"))  # reads partition-id
+    assert over_tp.uniform(get("tp_sum"))  # every TP group reduces inside one group: same result
+    assert not over_dp.uniform(get("tp_sum"))  # the two TP groups sum different partition ids
+    assert over_tp.uniform(get("dp_sum"))  # uniform operand, groups aligned with the TP groups
+    assert not over_tp.uniform(get("dp_local"))
+    assert over_tp.uniform(get("looped"))  # the loop keeps its uniform state uniform
+    assert not over_tp.uniform(get("looped_pid"))  # the body adds the partition id
+    assert over_tp.value(get("loop_pid")) == (True, False)  # the counter stays uniform
+
+
+def test_alignment_of_gather_groups():
+    assert complement_groups(DP) == TP and complement_groups(TP) == DP
+    assert aligned(DP, TP, 8)  # each DP pair sits at one position of the two TP groups
+    assert not aligned(DP, [[0, 1, 2, 3], [5, 4, 7, 6]], 8)  # 0 and 4 would reduce different slices
+    assert not aligned([[0, 1, 2, 3, 4, 5, 6, 7]], [[0, 1], [2, 3], [4, 5], [6, 7]], 8)
+
+
+V, D, F, T, B = 2048, 128, 256, 16, 8
+
+
+def _step():
+    """A DP x TP (2 x 4) step whose embedding table and norm scale are replicated and whose MLP
+    is tensor-parallel, trained with AdamW."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    spec = {"emb": P(), "scale": P(), "w1": P(None, "model"), "w2": P("model", None)}
+    sh = {k: NamedSharding(mesh, s) for k, s in spec.items()}
+    ks = jax.random.split(jax.random.key(0), 3)
+    params = jax.device_put({"emb": jax.random.normal(ks[0], (V, D)) * 0.1, "scale": jnp.ones((D,)),
+                             "w1": jax.random.normal(ks[1], (D, F)) * 0.1,
+                             "w2": jax.random.normal(ks[2], (F, D)) * 0.1}, sh)
+    tx = optax.adamw(1e-2)
+    opt_state = tx.init(params)
+    rep = NamedSharding(mesh, P())
+    state_sh = jax.tree.map(lambda a: a.sharding if isinstance(a.sharding, NamedSharding) else rep,
+                            (params, opt_state))
+    state = jax.device_put((params, opt_state), state_sh)
+    bsh = NamedSharding(mesh, P("data"))
+
+    def loss(p, ids, y):
+        x = jnp.take(p["emb"], ids, axis=0) * p["scale"]
+        return jnp.mean((jax.nn.gelu(x @ p["w1"]) @ p["w2"] - y) ** 2)
+
+    @partial(jax.jit, in_shardings=(state_sh, bsh, bsh), out_shardings=(state_sh, rep))
+    def step(state, ids, y):
+        params, opt_state = state
+        value, grads = jax.value_and_grad(loss)(params, ids, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), value
+
+    rng = np.random.default_rng(0)
+    batches = [(jax.device_put(rng.integers(0, V, (B, T)).astype(np.int32), bsh),
+                jax.device_put(rng.standard_normal((B, T, D)).astype(np.float32), bsh))
+               for _ in range(3)]
+    return step, state, batches
+
+
+def test_plan_slices_only_the_replicated_gradients():
+    step, state, batches = _step()
+    module = hlo_passes.parse_module(capture(step, (state, *batches[0])).hlo_text)
+    two_hosts = plan_replicated_reductions(module, CostModel(get_cluster("h100_sxm_2x4")))
+    names = {p["instruction"].operands[0].name for p in two_hosts}
+    # The embedding table's gradient (a scatter-add, f32[2048,128], 1 MiB) is replicated over
+    # "model"; the TP-sharded w1 / w2 gradients are not and stay whole.
+    sliced = [p for p in two_hosts if p["instruction"].shape.dims == (V, D)]
+    assert len(sliced) == 1 and sliced[0]["h"] == 4, two_hosts
+    assert sliced[0]["after_us"] < sliced[0]["before_us"]
+    assert not any(p["instruction"].shape.dims in ((D, F // 4), (F // 4, D)) for p in two_hosts), names
+    # On one NVLink host the gather costs what the slice saves: nothing is rewritten.
+    assert plan_replicated_reductions(module, CostModel(get_cluster("h100_sxm_8"))) == []
+
+
+@pytest.mark.parametrize("target", ["h100_sxm_2x4"])
+def test_replicated_gradients_sliced_bitwise_over_three_steps(target):
+    step, state, batches = _step()
+    opts = concerto_jax.Options(passes=("decompose",), target=target, fallback=False,
+                                decompose=DecomposeOptions(region_degree=None))
+    opt = concerto_jax.optimize(step, opts)
+    ref, got = state, jax.tree.map(jnp.copy, state)
+    for ids, y in batches:
+        ref, ref_loss = step(ref, ids, y)
+        got, loss = opt(got, ids, y)
+        assert_tree_bitwise(loss, ref_loss)
+    assert_tree_bitwise(got, ref)
+    report = opt.report()
+    assert report.optimized, report.fallback_reason
+    rec = {p.name: p for p in report.passes}["decompose"]
+    assert rec.tolerance == 0.0, rec.stats
+    (r,) = [r for r in rec.stats["replicated"] if r["bytes"] == V * D * 4]
+    assert r["h"] == 4 and r["after_us"] < r["before_us"], rec.stats["replicated"]
+    _, emitted = opt.hlo_texts()
+    assert "all-gather" in emitted
