@@ -249,6 +249,10 @@ def pipeline_prefetch(module, inst: Instruction, collectives: list[str]) -> list
 _NO_CARRY = frozenset({"constant", "iota"})
 """Operands of the rotated tail recomputed where the tail is, not carried."""
 
+RECOMPUTE_EXPANSION = 4
+"""A ``broadcast`` the tail reads is recomputed in the tail (its operand carried instead of
+its result) when its result is at least this many times its operand's bytes."""
+
 _SHAREABLE_CALLS = frozenset({
     "reduce", "all-reduce", "reduce-scatter", "reduce-window", "scatter", "select-and-scatter",
     "sort", "map",
@@ -267,6 +271,9 @@ class Rotation:
       slots: loop-state indices the tail computes.
       carried: names of the values the tail reads from the rest of the body, now carried.
       bytes: size of ``carried``: the extra loop state.
+      recomputed: names of the head's broadcasts the tail reads, cloned into the tail
+        (their small operands are carried instead: a bias broadcast to the activations'
+        shape costs its vector, not a second activation, in the loop state).
     """
 
     collective: str
@@ -274,6 +281,7 @@ class Rotation:
     slots: tuple[int, ...]
     carried: tuple[str, ...]
     bytes: int
+    recomputed: tuple[str, ...] = ()
 
 
 def _unclonable(insts) -> str | None:
@@ -354,13 +362,24 @@ def _rotation(module, info: LoopInfo, coll: Instruction) -> tuple[Rotation | Non
     # loop-invariant ones.
     direct = set(slots) | {c.index for c in info.carried if c.invariant}
     carried: list[Instruction] = []
+    recomputed: list[Instruction] = []
+
+    def read(o: Instruction) -> None:  # the tail reads head value ``o``: carry or recompute it
+        if id(o) in tail or o.opcode in _NO_CARRY or o in carried or o in recomputed:
+            return
+        if o.opcode == "get-tuple-element" and o.operands[0] is param and o.tuple_index in direct:
+            return
+        if o.opcode == "broadcast" and o.shape.is_array and len(o.operands) == 1 \
+                and o.operands[0].shape.is_array \
+                and o.shape.byte_size >= RECOMPUTE_EXPANSION * o.operands[0].shape.byte_size:
+            recomputed.append(o)
+            read(o.operands[0])
+            return
+        carried.append(o)
+
     for x in order:
         for o in x.operands:
-            if id(o) in tail or o.opcode in _NO_CARRY or o in carried:
-                continue
-            if o.opcode == "get-tuple-element" and o.operands[0] is param and o.tuple_index in direct:
-                continue
-            carried.append(o)
+            read(o)
     if any(o is param or o.shape.is_tuple for o in carried):
         return None, "the tail reads a tuple of the head"
     if any(through_casts(o).is_collective for o in carried):
@@ -368,7 +387,7 @@ def _rotation(module, info: LoopInfo, coll: Instruction) -> tuple[Rotation | Non
         # reassociation (one all-reduce of a + b) would be lost, one more transfer per trip
         return None, "the tail combines its collective with another collective's result"
     return Rotation(coll.name, tuple(x.name for x in order), slots, tuple(o.name for o in carried),
-                    sum(o.shape.byte_size for o in carried)), None
+                    sum(o.shape.byte_size for o in carried), tuple(o.name for o in recomputed)), None
 
 
 def _set_trip_count(inst: Instruction, trips: int) -> None:
@@ -420,6 +439,17 @@ def rotate_loop(module, inst: Instruction, collective: str) -> Rotation:
     init = inst.operands[0]
     n = len(inst.shape.elements)
     tail = [body.instruction(t) for t in rot.tail]
+    # The head's broadcasts the tail reads: a clone of each joins the tail (before its
+    # first reader there), the head keeps the original where it reads it too.
+    for name in rot.recomputed:
+        o = body.instruction(name)
+        clone = body.add_instruction(_clone(o, list(o.operands), module), after=o)
+        readers = [x for x in tail if any(op is o for op in x.operands)]
+        for x in readers:
+            x.replace_operand(o, clone)
+        tail.insert(min(tail.index(x) for x in readers), clone)
+        if not o.users and o is not root:
+            body.remove_instruction(o)
     in_tail = {id(x) for x in tail}
     carried = [body.instruction(c) for c in rot.carried]
 

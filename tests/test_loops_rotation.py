@@ -124,3 +124,50 @@ def test_decompose_rotates_a_split_loop_where_it_pays_and_fits():
     assert kept["rotated"] and kept["why"] == "pays and fits", kept
     assert kept["rotated_loop_us"] < 0.98 * kept["loop_us"]
     assert 0 < kept["carried_bytes"] and all(t["fits"] for t in kept["tried"])
+
+
+def _biased_scan_step(num_layers: int):
+    """A TP scan whose row-parallel output gets a replicated per-layer bias: the rotated tail
+    reads the bias broadcast to the activations' shape."""
+    mesh = jax.make_mesh((8,), ("m",), axis_types=(jax.sharding.AxisType.Auto,))
+    col, row = NamedSharding(mesh, P(None, None, "m")), NamedSharding(mesh, P(None, "m", None))
+    rep = NamedSharding(mesh, P())
+
+    def loss(params, x):
+        def layer(h, w):
+            wi, wo, b = w
+            return h + (jnp.tanh(h @ wi) @ wo + b), None
+
+        h, _ = jax.lax.scan(layer, x, params)
+        return jnp.mean(h ** 2)
+
+    @partial(jax.jit, in_shardings=((col, row, rep), rep), out_shardings=((col, row, rep), rep))
+    def step(params, x):
+        v, g = jax.value_and_grad(loss)(params, x)
+        return jax.tree.map(lambda p, q: p - 0.1 * q, params, g), v
+
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(num_layers), 4)
+    params = (jax.device_put(jax.random.normal(k1, (num_layers, 32, 64)) * 0.1, col),
+              jax.device_put(jax.random.normal(k2, (num_layers, 64, 32)) * 0.1, row),
+              jax.device_put(jax.random.normal(k3, (num_layers, 32)) * 0.1, rep))
+    return step, params, jax.device_put(jax.random.normal(k4, (16, 32)), rep)
+
+
+def test_rotation_recomputes_a_broadcast_instead_of_carrying_it(monkeypatch):
+    step, params, x = _biased_scan_step(3)
+    module = hlo_passes.parse_module(capture(step, (params, x)).hlo_text)
+    forward = _whiles(module)[0]
+    rot = rotation_candidates(module, forward)[-1]
+    body = forward.attr("body")
+    recomputed = [body.instruction(r) for r in rot.recomputed]
+    assert [r.opcode for r in recomputed] == ["broadcast"], rot
+    # The broadcast's operand (the layer's bias vector, or what it is read from) is carried,
+    # not the broadcast: the extra state is the all-reduce's operand plus a few bytes.
+    carried = [body.instruction(c) for c in rot.carried]
+    assert not any(c.opcode == "broadcast" for c in carried)
+    dot_bytes = max(c.shape.byte_size for c in carried)
+    assert rot.bytes - dot_bytes <= recomputed[0].shape.byte_size // 4
+    monkeypatch.setitem(PASSES, "force_rotate", _force_rotate)
+    opt = concerto_jax.optimize(step, Options(passes=("force_rotate", "schedule"), fallback=False))
+    assert_tree_bitwise(opt(params, x), step(params, x))
+    assert opt.report().optimized
