@@ -205,3 +205,29 @@ def test_replicated_gradients_sliced_bitwise_over_three_steps(target):
     assert r["h"] == 4 and r["after_us"] < r["before_us"], rec.stats["replicated"]
     _, emitted = opt.hlo_texts()
     assert "all-gather" in emitted
+
+
+def test_reduce_scatter_of_a_replicated_operand_sliced_bitwise():
+    """shard_map: a psum over "model" (equal on every model rank) reduce-scattered over "data"
+    (across the hosts of h100_sxm_2x4): each model rank reduce-scatters 1/4 of every block
+    and an all-gather over "model" puts its block together."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+    def body(x):
+        y = jax.lax.psum(jnp.tanh(x), "model")
+        return jax.lax.psum_scatter(y, "data", scatter_dimension=0, tiled=True)
+
+    @jax.jit
+    def step(x):
+        return jax.shard_map(body, mesh=mesh, in_specs=P(None, "model"),
+                             out_specs=P("data", "model"))(x)
+
+    x = jax.device_put(np.random.default_rng(0).standard_normal((4096, 1024)).astype(np.float32),
+                       NamedSharding(mesh, P(None, "model")))
+    opts = concerto_jax.Options(passes=("decompose",), target="h100_sxm_2x4", fallback=False,
+                                decompose=DecomposeOptions(region_degree=None))
+    opt = concerto_jax.optimize(step, opts)
+    assert_tree_bitwise(opt(x), step(x))
+    rec = {p.name: p for p in opt.report().passes}["decompose"]
+    (r,) = [r for r in rec.stats["replicated"] if r["kind"] == "reduce-scatter"]
+    assert r["h"] == 4 and r["after_us"] < r["before_us"], rec.stats["replicated"]

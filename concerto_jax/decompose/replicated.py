@@ -1,4 +1,5 @@
-"""All-reduces of replicated operands: reduce ``1/h`` of the bytes, gather the rest.
+"""All-reduces (and reduce-scatters) of replicated operands: reduce ``1/h`` of the bytes,
+gather the rest.
 
 Under data x tensor parallelism every tensor-parallel rank holds the same gradient of a
 replicated parameter (a position embedding, a norm's scale, a row-parallel bias) and
@@ -8,7 +9,10 @@ ones do not, that is ``h`` times the network traffic that is needed:
 
     all-reduce_G(x)  ==  all-gather_H(all-reduce_G(slice_{rank in H}(x)))
 
-holds whenever ``x`` is equal on the devices of each group of ``H`` (the tensor-parallel
+and likewise ``reduce-scatter_G(x) == all-gather_H(reduce-scatter_G(sub-block_{rank in H}
+of every block of x))`` (sharded data parallelism over hosts with tensor parallelism in a
+host: a replicated parameter's gradient reduce-scattered over the data axis), both
+hold whenever ``x`` is equal on the devices of each group of ``H`` (the tensor-parallel
 groups, ``hlo_passes.uniformity`` proves it from the parameters' shardings and the ops in
 between) and the members of each ``G`` group sit at one position of their ``H`` groups.
 Every element is still reduced over the same devices in the same order (bitwise where
@@ -75,6 +79,13 @@ def aligned(groups: list[list[int]], gather: list[list[int]], num_devices: int) 
     return True
 
 
+def same_block(groups: list[list[int]], gather: list[list[int]]) -> bool:
+    """For a reduce-scatter over ``groups``: every gather group's members sit at one position
+    of their reduce-scatter groups (they receive the same block of the result)."""
+    pos = {int(d): p for g in groups for p, d in enumerate(g)}
+    return all(len({pos.get(int(d)) for d in g}) == 1 for g in gather)
+
+
 def _slice_dim(shape, h: int) -> int | None | bool:
     """The major-most dimension that divides by ``h``; None: flatten; False: no way."""
     order = list(reversed(shape.minor_to_major)) if shape.minor_to_major else list(range(shape.rank))
@@ -102,10 +113,12 @@ def _candidate_partitions(module) -> list[list[list[int]]]:
 
 
 def plan_replicated_reductions(module, cost_model) -> list[dict]:
-    """The all-reduces of ``module`` to rewrite, each with its gather groups and times.
+    """The all-reduces and reduce-scatters of ``module`` to rewrite, each with its gather
+    groups and times.
 
-    Returns one dict per kept all-reduce: ``instruction`` (the all-reduce), ``computation``,
-    ``gather_groups``, ``dim`` (None: flattened), ``h``, ``bytes``, ``before_us``, ``after_us``.
+    Returns one dict per kept collective: ``instruction``, ``computation``, ``gather_groups``,
+    ``dim`` (all-reduce: None = flattened; reduce-scatter: its scatter dimension), ``h``,
+    ``bytes`` (the operand's), ``before_us``, ``after_us``.
     """
     n = module.num_devices
     if module.replica_count != 1 or module.num_partitions != n or n < 2:
@@ -115,24 +128,32 @@ def plan_replicated_reductions(module, cost_model) -> list[dict]:
     plans = []
     for comp in module.computations:
         for inst in comp.instructions:
-            if inst.opcode != "all-reduce" or not inst.shape.is_array or len(inst.operands) != 1 \
-                    or not inst.use_global_device_ids:
+            op = inst.opcode
+            if op not in ("all-reduce", "reduce-scatter") or not inst.shape.is_array \
+                    or len(inst.operands) != 1 or not inst.use_global_device_ids:
                 continue
             groups = inst.replica_groups
             if not groups or not is_partition_of(groups, n):
                 continue
-            nbytes = inst.shape.byte_size
-            before = cost_model.collective("all-reduce", nbytes, groups).time_us
+            nbytes = inst.operands[0].shape.byte_size  # the cost model's payload of both kinds
+            before = cost_model.collective(op, nbytes, groups).time_us
             options = []
             for gather in [complement_groups(groups), *partitions]:
                 if gather is None or not aligned(groups, gather, n):
                     continue
                 h = len(gather[0])
-                dim = _slice_dim(inst.shape, h)
-                if dim is False:
-                    continue
-                after = (cost_model.collective("all-reduce", nbytes / h, groups).time_us
-                         + cost_model.collective("all-gather", nbytes, gather).time_us)
+                if op == "all-reduce":
+                    dim = _slice_dim(inst.shape, h)
+                    if dim is False:
+                        continue
+                else:
+                    (scatter,) = inst.dimensions or [None]
+                    if scatter is None or not same_block(groups, gather) \
+                            or inst.shape.dims[scatter] % h:
+                        continue
+                    dim = scatter
+                after = (cost_model.collective(op, nbytes / h, groups).time_us
+                         + cost_model.collective("all-gather", inst.shape.byte_size, gather).time_us)
                 if before - after >= max(MIN_SAVING * before, MIN_SAVING_US):
                     options.append((after, -h, gather, dim))
             for after, neg_h, gather, dim in sorted(options, key=lambda o: (o[0], o[1])):

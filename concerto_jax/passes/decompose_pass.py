@@ -84,8 +84,9 @@ def decompose_pass(module, options) -> PassOutcome:
 
 
 def _replicated_reductions(module, cost_model) -> list[dict]:
-    """Every all-reduce of an operand replicated over an orthogonal group whose sliced form
-    is cheaper (``concerto_jax.decompose.replicated``), rewritten; one record each."""
+    """Every all-reduce or reduce-scatter of an operand replicated over an orthogonal group
+    whose sliced form is cheaper (``concerto_jax.decompose.replicated``), rewritten; one
+    record each."""
     from concerto_jax.decompose.replicated import plan_replicated_reductions
     from hlo_passes.decompose_rewrite import max_channel_id, split_replicated_all_reduce
 
@@ -104,7 +105,8 @@ def _replicated_reductions(module, cost_model) -> list[dict]:
         except HloError as err:
             log.warning("decompose: all-reduce %s of a replicated operand left whole: %s", name, err)
             continue
-        records.append({"collective": name, "computation": plan["computation"], "h": plan["h"],
+        records.append({"collective": name, "kind": inst.opcode, "computation": plan["computation"],
+                        "h": plan["h"],
                         "dim": plan["dim"], "bytes": plan["bytes"], "before_us": plan["before_us"],
                         "after_us": plan["after_us"],
                         "gather_groups": len(plan["gather_groups"])})
