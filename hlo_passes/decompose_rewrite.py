@@ -619,7 +619,8 @@ def _whole_dims(chunk: Shape, d: int, n: int) -> list[int]:
 def split_replicated_all_reduce(ar: Instruction, gather_groups: list[list[int]], dim: int | None,
                                 next_channel_id: Callable[[], int]) -> Instruction:
     """Rewrites ``all-reduce(x)`` over groups ``G`` as ``all-gather(all-reduce(slice(x)))``,
-    or ``reduce-scatter(x)`` as ``all-gather(reduce-scatter(sub-blocks of x))``.
+    ``reduce-scatter(x)`` as ``all-gather(reduce-scatter(sub-blocks of x))`` and
+    ``all-gather(x)`` as the ``(q, j) <- (j, q)`` transpose of ``all-gather(all-gather(slice(x)))``.
 
     Valid when ``x`` holds the same data on every device of each ``gather_groups`` group
     (``hlo_passes.uniformity``) and every ``G`` group's members sit at one position of
@@ -630,8 +631,10 @@ def split_replicated_all_reduce(ar: Instruction, gather_groups: list[list[int]],
     group puts the ``h`` reduced slices back together. Reduce-scatter: ``x``'s scatter
     dimension holds ``|G|`` blocks; device ``d`` reduce-scatters sub-block ``j`` of every
     block (``1/h`` of the bytes) and receives sub-block ``j`` of its own block; the
-    all-gather puts the block together. Each element is reduced over the same devices in
-    the same order as before.
+    all-gather puts the block together. All-gather: device ``d`` gathers slice ``j`` of
+    every group member's ``x`` over ``G``, the second gather collects the ``h`` slices and a
+    transpose puts them in the original order (data movement only). Each element is
+    reduced over the same devices in the same order as before.
 
     Args:
       ar: a synchronous array ``all-reduce`` or ``reduce-scatter`` with
@@ -649,10 +652,10 @@ def split_replicated_all_reduce(ar: Instruction, gather_groups: list[list[int]],
     module = comp.module
     if ar.control_predecessors or any(ar in u.control_predecessors for u in comp.instructions):
         raise HloError(f"{ar.name}: has control dependencies")
-    if ar.opcode not in ("all-reduce", "reduce-scatter") or not ar.shape.is_array \
+    if ar.opcode not in ("all-reduce", "reduce-scatter", "all-gather") or not ar.shape.is_array \
             or len(ar.operands) != 1:
-        raise HloError(f"{ar.name}: expected a one-operand array all-reduce or reduce-scatter, "
-                       f"got {ar.opcode} {ar.shape}")
+        raise HloError(f"{ar.name}: expected a one-operand array all-reduce, reduce-scatter or "
+                       f"all-gather, got {ar.opcode} {ar.shape}")
     h = len(gather_groups[0])
     shape = ar.shape.without_layout()
     x = ar.operands[0]
@@ -708,6 +711,13 @@ def split_replicated_all_reduce(ar: Instruction, gather_groups: list[list[int]],
         chunk = dims[dim] // h
         piece = dynamic_slice(source, dim, device_index(chunk), chunk)
         gathered_dims = dims
+    elif ar.opcode == "all-gather":
+        (dim,) = ar.dimensions or [None]
+        size = in_shape.dims[dim]
+        if size % h:
+            raise HloError(f"{ar.name}: dimension {dim} of {in_shape} does not divide by {h}")
+        piece = dynamic_slice(x, dim, device_index(size // h), size // h)
+        gathered_dims = list(shape.dims)
     else:
         (dim,) = ar.dimensions or [None]
         groups = ar.replica_groups or [list(range(num))]
@@ -734,7 +744,18 @@ def split_replicated_all_reduce(ar: Instruction, gather_groups: list[list[int]],
                     "dimensions": "{" + str(dim) + "}",
                     "use_global_device_ids": "true"})
     out = gathered
-    if list(gathered_dims) != list(shape.dims):
+    if ar.opcode == "all-gather":
+        # The two gathers leave the pieces in (gather rank j, group position q) order; the
+        # original holds them as (q, j): swap the two axes.
+        parts = shape.dims[dim] // in_shape.dims[dim]
+        piece_len = in_shape.dims[dim] // h
+        lead, rest = list(shape.dims[:dim]), list(shape.dims[dim + 1:])
+        split = add("reshape", Shape.array(shape.dtype, lead + [h, parts, piece_len] + rest), [gathered])
+        perm = list(range(len(lead))) + [dim + 1, dim] + list(range(dim + 2, len(lead) + 3 + len(rest)))
+        swapped = add("transpose", Shape.array(shape.dtype, lead + [parts, h, piece_len] + rest), [split],
+                      {"dimensions": _attrs.format_int_list(perm)})
+        out = add("reshape", Shape.array(shape.dtype, shape.dims), [swapped])
+    elif list(gathered_dims) != list(shape.dims):
         out = add("reshape", Shape.array(shape.dtype, shape.dims), [gathered])
     if ar.shape.layout is not None and out.shape.layout is None:
         out.shape = out.shape.with_layout(ar.shape.layout)

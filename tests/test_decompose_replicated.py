@@ -231,3 +231,30 @@ def test_reduce_scatter_of_a_replicated_operand_sliced_bitwise():
     rec = {p.name: p for p in opt.report().passes}["decompose"]
     (r,) = [r for r in rec.stats["replicated"] if r["kind"] == "reduce-scatter"]
     assert r["h"] == 4 and r["after_us"] < r["before_us"], rec.stats["replicated"]
+
+
+def test_all_gather_of_a_replicated_operand_sliced_bitwise():
+    """shard_map: a psum over "model" all-gathered over "data" (across the hosts): each model
+    rank gathers 1/4 of every shard, an all-gather over "model" and a transpose rebuild it."""
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+    def body(x):
+        y = jax.lax.psum(jnp.tanh(x), "model")
+        return jax.lax.all_gather(y, "data", axis=1, tiled=True) * 2.0
+
+    @jax.jit
+    def step(x):
+        return jax.shard_map(body, mesh=mesh, in_specs=P("data", "model"),
+                             out_specs=P("data", "model"))(x)
+
+    x = jax.device_put(np.random.default_rng(1).standard_normal((1024, 2048)).astype(np.float32),
+                       NamedSharding(mesh, P("data", "model")))
+    opts = concerto_jax.Options(passes=("decompose",), target="h100_sxm_2x4", fallback=False,
+                                decompose=DecomposeOptions(region_degree=None))
+    opt = concerto_jax.optimize(step, opts)
+    assert_tree_bitwise(opt(x), step(x))
+    rec = {p.name: p for p in opt.report().passes}["decompose"]
+    (r,) = [r for r in rec.stats["replicated"] if r["kind"] == "all-gather"]
+    assert r["h"] == 4 and r["after_us"] < r["before_us"], rec.stats["replicated"]
+    _, emitted = opt.hlo_texts()
+    assert "transpose(" in emitted

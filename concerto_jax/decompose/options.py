@@ -110,10 +110,11 @@ class DecomposeOptions:
     # where the rotated body schedules faster within the body's memory limit
     # (concerto_jax.passes.pipeline_pass.decide_rotation). Bitwise: only the order changes.
     rotate_loops: bool = True
-    # All-reduces of an operand that every device of an orthogonal group holds equal (a
-    # replicated parameter's gradient under data x tensor parallelism) reduce 1/h of it
-    # and all-gather the rest over that group, where the cost model says it is cheaper
-    # (concerto_jax.decompose.replicated: across hosts, not on one NVLink host).
+    # All-reduces (reduce-scatters, all-gathers) of an operand that every device of an
+    # orthogonal group holds equal (a replicated parameter's gradient under data x tensor
+    # parallelism) move 1/h of it and all-gather the rest over that group, where the cost
+    # model says it is cheaper (concerto_jax.decompose.replicated: across hosts, not on
+    # one NVLink host). Bitwise.
     replicated_reductions: bool = True
     # Loop bodies (computation names of the post-SPMD module) not to rotate:
     # compile_for_target's rotation guard sets it when a rotation loses on XLA's module.

@@ -1,5 +1,5 @@
-"""All-reduces (and reduce-scatters) of replicated operands: reduce ``1/h`` of the bytes,
-gather the rest.
+"""All-reduces, reduce-scatters and all-gathers of replicated operands: move ``1/h`` of the
+bytes over the group, gather the rest over the orthogonal one.
 
 Under data x tensor parallelism every tensor-parallel rank holds the same gradient of a
 replicated parameter (a position embedding, a norm's scale, a row-parallel bias) and
@@ -11,8 +11,9 @@ ones do not, that is ``h`` times the network traffic that is needed:
 
 and likewise ``reduce-scatter_G(x) == all-gather_H(reduce-scatter_G(sub-block_{rank in H}
 of every block of x))`` (sharded data parallelism over hosts with tensor parallelism in a
-host: a replicated parameter's gradient reduce-scattered over the data axis), both
-hold whenever ``x`` is equal on the devices of each group of ``H`` (the tensor-parallel
+host: a replicated parameter's gradient reduce-scattered over the data axis), and
+``all-gather_G(x) == transpose(all-gather_H(all-gather_G(slice_{rank in H}(x))))`` (the
+same parameter's shard gathered over the data axis), all hold whenever ``x`` is equal on the devices of each group of ``H`` (the tensor-parallel
 groups, ``hlo_passes.uniformity`` proves it from the parameters' shardings and the ops in
 between) and the members of each ``G`` group sit at one position of their ``H`` groups.
 Every element is still reduced over the same devices in the same order (bitwise where
@@ -129,13 +130,14 @@ def plan_replicated_reductions(module, cost_model) -> list[dict]:
     for comp in module.computations:
         for inst in comp.instructions:
             op = inst.opcode
-            if op not in ("all-reduce", "reduce-scatter") or not inst.shape.is_array \
+            if op not in ("all-reduce", "reduce-scatter", "all-gather") or not inst.shape.is_array \
                     or len(inst.operands) != 1 or not inst.use_global_device_ids:
                 continue
             groups = inst.replica_groups
             if not groups or not is_partition_of(groups, n):
                 continue
-            nbytes = inst.operands[0].shape.byte_size  # the cost model's payload of both kinds
+            # The cost model's payload: the operand of a reduction, the result of a gather.
+            nbytes = (inst.shape if op == "all-gather" else inst.operands[0].shape).byte_size
             before = cost_model.collective(op, nbytes, groups).time_us
             options = []
             for gather in [complement_groups(groups), *partitions]:
@@ -146,12 +148,16 @@ def plan_replicated_reductions(module, cost_model) -> list[dict]:
                     dim = _slice_dim(inst.shape, h)
                     if dim is False:
                         continue
-                else:
+                elif op == "reduce-scatter":
                     (scatter,) = inst.dimensions or [None]
                     if scatter is None or not same_block(groups, gather) \
                             or inst.shape.dims[scatter] % h:
                         continue
                     dim = scatter
+                else:
+                    (dim,) = inst.dimensions or [None]
+                    if dim is None or inst.operands[0].shape.dims[dim] % h:
+                        continue
                 after = (cost_model.collective(op, nbytes / h, groups).time_us
                          + cost_model.collective("all-gather", inst.shape.byte_size, gather).time_us)
                 if before - after >= max(MIN_SAVING * before, MIN_SAVING_US):
