@@ -41,7 +41,7 @@ from hlo_passes.shapes import Shape
 
 __all__ = ["SplitPlan", "SplitResult", "split_instructions", "split_while_body",
            "carried_splits", "ADJUST", "max_channel_id", "plans_divisible_by",
-           "split_replicated_all_reduce"]
+           "split_replicated_collective"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -616,7 +616,7 @@ def _whole_dims(chunk: Shape, d: int, n: int) -> list[int]:
     return dims
 
 
-def split_replicated_all_reduce(ar: Instruction, gather_groups: list[list[int]], dim: int | None,
+def split_replicated_collective(ar: Instruction, gather_groups: list[list[int]], dim: int | None,
                                 next_channel_id: Callable[[], int]) -> Instruction:
     """Rewrites ``all-reduce(x)`` over groups ``G`` as ``all-gather(all-reduce(slice(x)))``,
     ``reduce-scatter(x)`` as ``all-gather(reduce-scatter(sub-blocks of x))`` and

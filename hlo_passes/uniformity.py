@@ -28,8 +28,8 @@ for one partition at a time:
   the callee on its operands' uniformity; any other op: all of its operands.
 
 Values are a ``bool`` per array (or, for a small integer array, its contents per device)
-and nested tuples of them for tuples. The analysis is
-sound, not complete: ``False`` means "not proven".
+and nested tuples of them for tuples. The analysis is sound, not complete: ``False``
+means "not proven".
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ _NOT_UNIFORM_OPS = frozenset({
 })
 _NUMPY_INTS = {"pred": np.bool_, "s8": np.int8, "s16": np.int16, "s32": np.int32, "s64": np.int64,
                "u8": np.uint8, "u16": np.uint16, "u32": np.uint32, "u64": np.uint64}
-_BINARY = {"add": np.add, "subtract": np.subtract, "multiply": np.multiply, "and": np.logical_and,
-           "or": np.logical_or, "xor": np.logical_xor, "maximum": np.maximum, "minimum": np.minimum}
+_BINARY = {"add": np.add, "subtract": np.subtract, "multiply": np.multiply, "and": np.bitwise_and,
+           "or": np.bitwise_or, "xor": np.bitwise_xor, "maximum": np.maximum, "minimum": np.minimum}
 _COMPARE = {"EQ": np.equal, "NE": np.not_equal, "LT": np.less, "LE": np.less_equal,
             "GT": np.greater, "GE": np.greater_equal}
 _DEVICES_RE = re.compile(r"devices=\[([\d,\s]*)\]\s*")
@@ -419,6 +419,11 @@ class Uniformity:
         return _fill(inst.shape, False) if out is None else out
     def _collective(self, inst, operands_uniform: bool) -> bool:
         labels, n = self.labels, self.num_devices
+        if self.module.replica_count != 1:
+            return False  # replica x partition groups: not expanded here
+        if inst.channel_id is None:
+            # Cross-replica mode with one replica: every device reduces / gathers alone.
+            return operands_uniform and inst.opcode in ("all-reduce", "all-gather")
         if inst.opcode == "collective-permute":
             if not operands_uniform:
                 return False
@@ -434,9 +439,6 @@ class Uniformity:
         groups = inst.replica_groups
         if not groups:
             groups = [list(range(n))]
-        if inst.attr("use_global_device_ids") is None and inst.channel_id is not None \
-                and self.module.replica_count > 1:
-            return False  # cross-replica-and-partition groups: not expanded here
         where: dict[int, tuple[int, int]] = {}
         for k, g in enumerate(groups):
             for pos, d in enumerate(g):

@@ -258,3 +258,15 @@ def test_all_gather_of_a_replicated_operand_sliced_bitwise():
     assert r["h"] == 4 and r["after_us"] < r["before_us"], rec.stats["replicated"]
     _, emitted = opt.hlo_texts()
     assert "transpose(" in emitted
+
+
+def test_cross_replica_collectives_with_one_replica_reduce_alone():
+    """Without a channel id an all-reduce is cross-replica: with one replica each device
+    reduces alone, so its result is only as uniform as its operand."""
+    text = _MODULE.replace(
+        "ROOT t = (f32[4], f32[4], f32[4], f32[4], f32[4], f32[4]) tuple(local, tp_sum, dp_sum, dp_local, looped, looped_pid)",
+        "alone = f32[4] all-reduce(local), replica_groups={}, to_apply=add\n"
+        "  ROOT t = (f32[4], f32[4]) tuple(local, alone)")
+    module = hlo_passes.parse_module(text)
+    over_tp = Uniformity(module, labels_of_groups(TP, 8))
+    assert not over_tp.uniform(module.entry.instruction("alone"))

@@ -11,18 +11,19 @@ ones do not, that is ``h`` times the network traffic that is needed:
 
 and likewise ``reduce-scatter_G(x) == all-gather_H(reduce-scatter_G(sub-block_{rank in H}
 of every block of x))`` (sharded data parallelism over hosts with tensor parallelism in a
-host: a replicated parameter's gradient reduce-scattered over the data axis), and
-``all-gather_G(x) == transpose(all-gather_H(all-gather_G(slice_{rank in H}(x))))`` (the
-same parameter's shard gathered over the data axis), all hold whenever ``x`` is equal on the devices of each group of ``H`` (the tensor-parallel
-groups, ``hlo_passes.uniformity`` proves it from the parameters' shardings and the ops in
-between) and the members of each ``G`` group sit at one position of their ``H`` groups.
+host: a replicated parameter's gradient reduce-scattered over the data axis) and
+``all-gather_G(x) == transpose(all-gather_H(all-gather_G(slice_{rank in H}(x))))`` (that
+parameter's shard gathered over the data axis). All three hold whenever ``x`` is equal on
+the devices of each group of ``H`` (the tensor-parallel groups: ``hlo_passes.uniformity``
+proves it from the parameters' shardings and the ops in between) and the members of each
+``G`` group sit at one position of their ``H`` groups.
 Every element is still reduced over the same devices in the same order (bitwise where
 the all-reduce's own order is fixed; exactly for two-device groups, whose sum does not
 depend on order). XLA does not do this: its replication analysis is not used to shrink
 collectives, and BlueConnect (``xla_gpu_all_reduce_blueconnect_num_devices_per_host``)
 only splits a group that itself spans hosts.
 
-The rewrite is kept where the cost model says the sliced all-reduce plus the all-gather
+The rewrite is kept where the cost model says the sliced collective plus the all-gather
 take less time than the original by ``MIN_SAVING`` (so never on one NVLink host, where
 the gather costs what the slice saves).
 """
@@ -39,7 +40,7 @@ from hlo_passes.uniformity import Uniformity, labels_of_groups
 log = logging.getLogger(__name__)
 
 MIN_SAVING = 0.1
-"""Smallest saving kept, as a fraction of the original all-reduce's time."""
+"""Smallest saving kept, as a fraction of the original collective's time."""
 MIN_SAVING_US = 5.0
 """Smallest saving kept, in microseconds (below it the extra kernels are not worth it)."""
 
@@ -114,12 +115,13 @@ def _candidate_partitions(module) -> list[list[list[int]]]:
 
 
 def plan_replicated_reductions(module, cost_model) -> list[dict]:
-    """The all-reduces and reduce-scatters of ``module`` to rewrite, each with its gather
-    groups and times.
+    """The all-reduces, reduce-scatters and all-gathers of ``module`` to rewrite, each with
+    its gather groups and times.
 
     Returns one dict per kept collective: ``instruction``, ``computation``, ``gather_groups``,
-    ``dim`` (all-reduce: None = flattened; reduce-scatter: its scatter dimension), ``h``,
-    ``bytes`` (the operand's), ``before_us``, ``after_us``.
+    ``dim`` (all-reduce: the dimension sliced, None = flattened; reduce-scatter, all-gather:
+    theirs), ``h``, ``bytes`` (the cost model's payload: operand of a reduction, result of a
+    gather), ``before_us``, ``after_us``.
     """
     n = module.num_devices
     if module.replica_count != 1 or module.num_partitions != n or n < 2:
@@ -148,15 +150,15 @@ def plan_replicated_reductions(module, cost_model) -> list[dict]:
                     dim = _slice_dim(inst.shape, h)
                     if dim is False:
                         continue
-                elif op == "reduce-scatter":
-                    (scatter,) = inst.dimensions or [None]
-                    if scatter is None or not same_block(groups, gather) \
-                            or inst.shape.dims[scatter] % h:
-                        continue
-                    dim = scatter
                 else:
-                    (dim,) = inst.dimensions or [None]
-                    if dim is None or inst.operands[0].shape.dims[dim] % h:
+                    dims = inst.dimensions or []
+                    if len(dims) != 1:
+                        continue
+                    dim = dims[0]
+                    if op == "reduce-scatter" and (not same_block(groups, gather)
+                                                   or inst.shape.dims[dim] % h):
+                        continue
+                    if op == "all-gather" and inst.operands[0].shape.dims[dim] % h:
                         continue
                 after = (cost_model.collective(op, nbytes / h, groups).time_us
                          + cost_model.collective("all-gather", inst.shape.byte_size, gather).time_us)

@@ -13,12 +13,13 @@ split of a loop body, the loop may be **rotated** (``DecomposeOptions.rotate_loo
 completes during iteration ``i + 1``, against the next layer's first chunk, where the rotated
 body plans faster within the body's memory limit (bitwise: only the order changes).
 
-After either strategy, **all-reduces of replicated operands**
+After either strategy, **collectives of replicated operands**
 (``DecomposeOptions.replicated_reductions``, ``concerto_jax.decompose.replicated``): an
-all-reduce whose operand every device of an orthogonal group holds equal (a replicated
-parameter's gradient under data x tensor parallelism, proven by ``hlo_passes.uniformity``)
-reduces ``1/h`` of it and all-gathers the rest over that group, where the cost model says
-it is cheaper (across hosts; bitwise: each element is reduced over the same devices).
+all-reduce (reduce-scatter, all-gather) whose operand every device of an orthogonal group
+holds equal (a replicated parameter's gradient under data x tensor parallelism, proven by
+``hlo_passes.uniformity``) moves ``1/h`` of it and all-gathers the rest over that group,
+where the cost model says it is cheaper (across hosts; bitwise: each element is reduced
+over the same devices).
 
 Contexts: finds the collectives that independent work cannot hide, grows each one's
 decomposition context along every axis the SPMD rules allow, predicts the
@@ -84,11 +85,11 @@ def decompose_pass(module, options) -> PassOutcome:
 
 
 def _replicated_reductions(module, cost_model) -> list[dict]:
-    """Every all-reduce or reduce-scatter of an operand replicated over an orthogonal group
-    whose sliced form is cheaper (``concerto_jax.decompose.replicated``), rewritten; one
-    record each."""
+    """Every all-reduce, reduce-scatter or all-gather of an operand replicated over an
+    orthogonal group whose sliced form is cheaper (``concerto_jax.decompose.replicated``),
+    rewritten; one record each."""
     from concerto_jax.decompose.replicated import plan_replicated_reductions
-    from hlo_passes.decompose_rewrite import max_channel_id, split_replicated_all_reduce
+    from hlo_passes.decompose_rewrite import max_channel_id, split_replicated_collective
 
     next_id = [max_channel_id(module)]
 
@@ -101,17 +102,16 @@ def _replicated_reductions(module, cost_model) -> list[dict]:
         inst = plan.pop("instruction")
         name = inst.name
         try:
-            split_replicated_all_reduce(inst, plan["gather_groups"], plan["dim"], fresh)
+            split_replicated_collective(inst, plan["gather_groups"], plan["dim"], fresh)
         except HloError as err:
-            log.warning("decompose: all-reduce %s of a replicated operand left whole: %s", name, err)
+            log.warning("decompose: %s of a replicated operand left whole: %s", name, err)
             continue
         records.append({"collective": name, "kind": inst.opcode, "computation": plan["computation"],
-                        "h": plan["h"],
-                        "dim": plan["dim"], "bytes": plan["bytes"], "before_us": plan["before_us"],
-                        "after_us": plan["after_us"],
+                        "h": plan["h"], "dim": plan["dim"], "bytes": plan["bytes"],
+                        "before_us": plan["before_us"], "after_us": plan["after_us"],
                         "gather_groups": len(plan["gather_groups"])})
     if records:
-        log.info("decompose: %d all-reduces of replicated operands sliced: %s", len(records), records)
+        log.info("decompose: %d collectives of replicated operands sliced: %s", len(records), records)
     return records
 
 
