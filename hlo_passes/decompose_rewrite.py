@@ -30,6 +30,8 @@ stays in a topological order.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 from collections.abc import Callable
 
 from hlo_passes import attributes as _attrs
@@ -37,10 +39,11 @@ from hlo_passes.errors import HloError
 from hlo_passes.instruction import Instruction
 from hlo_passes.loops import CASTS, loop_state_problem, through_casts
 from hlo_passes.opcodes import COLLECTIVE_KINDS
+from hlo_passes.replica_groups import format_replica_groups
 from hlo_passes.shapes import Shape
 
 __all__ = ["SplitPlan", "SplitResult", "split_instructions", "split_while_body",
-           "carried_splits", "ADJUST", "max_channel_id", "plans_divisible_by",
+           "carried_splits", "ADJUST", "max_channel_id", "channel_counter", "plans_divisible_by",
            "split_replicated_collective"]
 
 
@@ -199,6 +202,11 @@ def _reassociable(coll: Instruction) -> bool:
 def max_channel_id(module) -> int:
     """The largest ``channel_id`` in the module (0 if none)."""
     return max((i.channel_id or 0 for i in module.instructions()), default=0)
+
+
+def channel_counter(module) -> Callable[[], int]:
+    """A ``next_channel_id`` for the rewrites: fresh ids above every id ``module`` holds now."""
+    return functools.partial(next, itertools.count(max_channel_id(module) + 1))
 
 
 def split_instructions(comp, plans: dict[Instruction, SplitPlan], n: int,
@@ -739,8 +747,7 @@ def split_replicated_collective(ar: Instruction, gather_groups: list[list[int]],
     reduced.channel_id = next_channel_id()
     gathered = add("all-gather", Shape.array(shape.dtype, gathered_dims), [reduced],
                    {"channel_id": str(next_channel_id()),
-                    "replica_groups": "{" + ",".join("{" + ",".join(str(int(d)) for d in g) + "}"
-                                                     for g in gather_groups) + "}",
+                    "replica_groups": format_replica_groups(gather_groups),
                     "dimensions": "{" + str(dim) + "}",
                     "use_global_device_ids": "true"})
     out = gathered

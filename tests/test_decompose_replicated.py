@@ -189,11 +189,25 @@ def test_plan_slices_only_the_replicated_gradients():
     assert plan_replicated_reductions(module, CostModel(get_cluster("h100_sxm_8"))) == []
 
 
+def _decompose_on_two_hosts(step):
+    """``step`` through ``optimize`` with the decompose pass alone, no region split, targeting
+    2 hosts x 4 GPUs (the CPU mesh's 8 devices), no fallback."""
+    return concerto_jax.optimize(step, concerto_jax.Options(
+        passes=("decompose",), target="h100_sxm_2x4", fallback=False,
+        decompose=DecomposeOptions(region_degree=None)))
+
+
+def _replicated_record(opt, kind: str) -> dict:
+    """The decompose pass's one record of a sliced ``kind``; it saves time with h = 4."""
+    rec = {p.name: p for p in opt.report().passes}["decompose"]
+    (r,) = [r for r in rec.stats["replicated"] if r["kind"] == kind]
+    assert r["h"] == 4 and r["after_us"] < r["before_us"], rec.stats["replicated"]
+    return r
+
+
 def test_replicated_gradients_sliced_bitwise_over_three_steps():
     step, state, batches = _step()
-    opts = concerto_jax.Options(passes=("decompose",), target="h100_sxm_2x4", fallback=False,
-                                decompose=DecomposeOptions(region_degree=None))
-    opt = concerto_jax.optimize(step, opts)
+    opt = _decompose_on_two_hosts(step)
     ref, got = state, jax.tree.map(jnp.copy, state)
     for ids, y in batches:
         ref, ref_loss = step(ref, ids, y)
@@ -204,8 +218,7 @@ def test_replicated_gradients_sliced_bitwise_over_three_steps():
     assert report.optimized, report.fallback_reason
     rec = {p.name: p for p in report.passes}["decompose"]
     assert rec.tolerance == 0.0, rec.stats
-    (r,) = [r for r in rec.stats["replicated"] if r["bytes"] == V * D * 4]
-    assert r["h"] == 4 and r["after_us"] < r["before_us"], rec.stats["replicated"]
+    assert _replicated_record(opt, "all-reduce")["bytes"] == V * D * 4
     _, emitted = opt.hlo_texts()
     assert "all-gather" in emitted
 
@@ -227,13 +240,9 @@ def test_reduce_scatter_of_a_replicated_operand_sliced_bitwise():
 
     x = jax.device_put(np.random.default_rng(0).standard_normal((4096, 1024)).astype(np.float32),
                        NamedSharding(mesh, P(None, "model")))
-    opts = concerto_jax.Options(passes=("decompose",), target="h100_sxm_2x4", fallback=False,
-                                decompose=DecomposeOptions(region_degree=None))
-    opt = concerto_jax.optimize(step, opts)
+    opt = _decompose_on_two_hosts(step)
     assert_tree_bitwise(opt(x), step(x))
-    rec = {p.name: p for p in opt.report().passes}["decompose"]
-    (r,) = [r for r in rec.stats["replicated"] if r["kind"] == "reduce-scatter"]
-    assert r["h"] == 4 and r["after_us"] < r["before_us"], rec.stats["replicated"]
+    _replicated_record(opt, "reduce-scatter")
 
 
 def test_all_gather_of_a_replicated_operand_sliced_bitwise():
@@ -252,13 +261,9 @@ def test_all_gather_of_a_replicated_operand_sliced_bitwise():
 
     x = jax.device_put(np.random.default_rng(1).standard_normal((1024, 2048)).astype(np.float32),
                        NamedSharding(mesh, P("data", "model")))
-    opts = concerto_jax.Options(passes=("decompose",), target="h100_sxm_2x4", fallback=False,
-                                decompose=DecomposeOptions(region_degree=None))
-    opt = concerto_jax.optimize(step, opts)
+    opt = _decompose_on_two_hosts(step)
     assert_tree_bitwise(opt(x), step(x))
-    rec = {p.name: p for p in opt.report().passes}["decompose"]
-    (r,) = [r for r in rec.stats["replicated"] if r["kind"] == "all-gather"]
-    assert r["h"] == 4 and r["after_us"] < r["before_us"], rec.stats["replicated"]
+    _replicated_record(opt, "all-gather")
     _, emitted = opt.hlo_texts()
     assert "transpose(" in emitted
 

@@ -40,7 +40,7 @@ from concerto_jax.decompose.cost import Calibration, strategy_cost
 from concerto_jax.decompose.critical import exposed_by_schedule, find_critical
 from concerto_jax.decompose.options import DecomposeOptions
 from concerto_jax.hlo_taskgraph import _groups, build_taskgraph, op_info
-from hlo_passes.decompose_rewrite import max_channel_id, split_instructions
+from hlo_passes.decompose_rewrite import channel_counter, split_instructions
 
 log = logging.getLogger(__name__)
 
@@ -203,11 +203,7 @@ def apply(module, chosen: list[Candidate], contexts: dict,
     each chunk's name -> the name of the instruction it is a chunk of. ``isolate``: see
     ``split_instructions`` (chunks read their outside operands through their own
     opt-barriers, so that XLA cannot fuse the chunks back together)."""
-    next_id = [max_channel_id(module)]
-
-    def fresh() -> int:
-        next_id[0] += 1
-        return next_id[0]
+    fresh = channel_counter(module)
 
     done = []
     for c in chosen:

@@ -89,13 +89,9 @@ def _replicated_reductions(module, cost_model) -> list[dict]:
     orthogonal group whose sliced form is cheaper (``concerto_jax.decompose.replicated``),
     rewritten; one record each."""
     from concerto_jax.decompose.replicated import plan_replicated_reductions
-    from hlo_passes.decompose_rewrite import max_channel_id, split_replicated_collective
+    from hlo_passes.decompose_rewrite import channel_counter, split_replicated_collective
 
-    next_id = [max_channel_id(module)]
-
-    def fresh() -> int:
-        next_id[0] += 1
-        return next_id[0]
+    fresh = channel_counter(module)
 
     records = []
     for plan in plan_replicated_reductions(module, cost_model):
@@ -249,14 +245,10 @@ def _region_split(module, options, dopts: DecomposeOptions, cost_model) -> PassO
     into ``region_degree`` chunks. A region whose rewrite fails is left as it was, with one
     warning."""
     from concerto_jax.decompose.search import computations_to_search
-    from hlo_passes.decompose_rewrite import max_channel_id, split_instructions, split_while_body
+    from hlo_passes.decompose_rewrite import channel_counter, split_instructions, split_while_body
 
     n = dopts.region_degree
-    next_id = [max_channel_id(module)]
-
-    def fresh() -> int:
-        next_id[0] += 1
-        return next_id[0]
+    fresh = channel_counter(module)
 
     loops = {id(i.attr("body")): i for i in module.instructions()
              if i.opcode == "while" and i.attr("body") is not None}
