@@ -278,3 +278,16 @@ def test_cross_replica_collectives_with_one_replica_reduce_alone():
     module = hlo_passes.parse_module(text)
     over_tp = Uniformity(module, labels_of_groups(TP, 8))
     assert not over_tp.uniform(module.entry.instruction("alone"))
+
+
+def test_replicated_reductions_off_leaves_the_collectives_whole():
+    """``DecomposeOptions(replicated_reductions=False)``: the same step runs end to end, bitwise,
+    with nothing sliced."""
+    step, state, batches = _step()
+    opt = concerto_jax.optimize(step, concerto_jax.Options(
+        passes=("decompose",), target="h100_sxm_2x4", fallback=False,
+        decompose=DecomposeOptions(region_degree=None, replicated_reductions=False)))
+    ids, y = batches[0]
+    assert_tree_bitwise(opt(state, ids, y), step(state, ids, y))
+    rec = {p.name: p for p in opt.report().passes}["decompose"]
+    assert "replicated" not in rec.stats
