@@ -480,3 +480,66 @@ def test_region_pull_in_off_and_on_end_to_end():
         assert report.first_step_check.startswith("ran: outputs equal"), report.first_step_check
     assert seen[True]["sources"] > seen[False]["sources"]
     assert seen[True]["slices"] < seen[False]["slices"]
+
+
+_SCATTERED = """HloModule m, num_partitions=8
+
+%sum (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (x: f32[64,256], w: f32[256,512], v: f32[512,512]) -> f32[8,512] {
+  %x = f32[64,256]{1,0} parameter(0)
+  %w = f32[256,512]{1,0} parameter(1)
+  %v = f32[512,512]{1,0} parameter(2)
+  %h = f32[64,512]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %ar = f32[64,512]{1,0} all-reduce(%h), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%sum
+  %pid = u32[] partition-id()
+  %eight = u32[] constant(8)
+  %offset = u32[] multiply(%pid, %eight)
+  %zero = u32[] constant(0)
+  %ds = f32[8,512]{1,0} dynamic-slice(%ar, %offset, %zero), dynamic_slice_sizes={8,512}
+  ROOT %y = f32[8,512]{1,0} dot(%ds, %v), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+
+
+def test_region_score_counts_an_all_reduce_xla_makes_a_reduce_scatter_as_one():
+    """The partitioner's all-reduce + per-rank dynamic-slice runs as a reduce-scatter in
+    XLA's final module: the region's communication is the reduce-scatter's, and a split
+    along the sliced dimension (the chunks' all-reduces stay all-reduces: the slice reads
+    their concatenation) pays the difference; along the other dimension the slice joins
+    the region and each chunk is a reduce-scatter again."""
+    from concerto_jax.costmodel import CostModel, get_cluster
+    from concerto_jax.decompose.region import reduce_scatter_slice, score_region
+
+    module = hlo_passes.parse_module(_SCATTERED)
+    ar = module.entry.instruction("ar")
+    groups = [list(range(8))]
+    assert reduce_scatter_slice(ar, groups) is module.entry.instruction("ds")
+    cm = CostModel(get_cluster("h100_sxm_8"))
+    nbytes = 64 * 512 * 4
+    t_ar = cm.collective("all-reduce", nbytes, groups).time_us
+    t_rs = cm.collective("reduce-scatter", nbytes, groups).time_us
+    assert t_rs < t_ar
+    along_slice = build_region(ar, 0)
+    assert "ds" not in {i.name for i in along_slice.plans}
+    s0 = score_region(along_slice, 2, cm, 8)
+    across = build_region(ar, 1)
+    assert "ds" in {i.name for i in across.plans}
+    s1 = score_region(across, 2, cm, 8)
+    assert s0.comm_us == pytest.approx(t_rs) and s1.comm_us == pytest.approx(t_rs)
+    # the same module with a constant offset (no reduce-scatter): the all-reduce's own
+    # time, and no lost time in the overhead
+    const = hlo_passes.parse_module(_SCATTERED.replace("dynamic-slice(%ar, %offset, %zero)",
+                                                       "dynamic-slice(%ar, %zero, %zero)"))
+    const_ar = const.entry.instruction("ar")
+    assert reduce_scatter_slice(const_ar, groups) is None
+    unscattered = score_region(build_region(const_ar, 0), 2, cm, 8)
+    assert unscattered.comm_us == pytest.approx(t_ar)
+    assert s0.overhead_us - unscattered.overhead_us == pytest.approx(t_ar - t_rs)
+    assert s1.overhead_us < s0.overhead_us
+    # a group of one is no reduce-scatter
+    assert reduce_scatter_slice(ar, [[0]]) is None

@@ -84,7 +84,11 @@ class RegionScore:
         sliced outside operand (read once, written once in slices; a broadcast at its
         operand's size), the ``n - 1`` extra reads of what a split dot or convolution
         reads whole, every concatenation for users outside (none for ``free``
-        instructions: loop state carried in chunks).
+        instructions: loop state carried in chunks); and, for an all-reduce that XLA turns
+        into a reduce-scatter (``reduce_scatter_slice``) whose slice stays outside the
+        region, the all-reduce's time over the reduce-scatter's (the chunks cannot be
+        turned into reduce-scatters). Such an all-reduce's ``comm_us`` is the
+        reduce-scatter's time.
       score_us: ``comm_us - overhead_us``.
     """
 
@@ -114,14 +118,26 @@ def score_region(region: Region, n: int, cost_model, num_devices: int,
 
     bw = cost_model.gpu.hbm_bytes_per_s / 1e6  # bytes per µs
     waited = _gemm_waits_for(region.collective.parent, loop_body)
-    comm = 0.0
+    comm = lost = 0.0
     for inst, plan in region.plans.items():
+        if not inst.is_collective or plan.partial is not None:
+            continue
+        groups = _groups(inst, num_devices)
+        t = cost_model.collective(inst.opcode, payload_bytes(inst), groups).time_us
+        scattered = reduce_scatter_slice(inst, groups)
+        if scattered is not None:
+            # XLA runs this all-reduce as a reduce-scatter; split with its slice left
+            # outside, each chunk's all-reduce stays one (the slice reads their
+            # concatenation): the difference is lost
+            rs = cost_model.collective("reduce-scatter", payload_bytes(inst), groups).time_us
+            if scattered not in region.plans:
+                lost += max(t - rs, 0.0)
+            t = rs
         # only communication that a GEMM waits for is worth a split: one
         # whose result only goes to an accumulator or out of the step (a data-parallel
         # weight gradient before the optimizer) overlaps the rest of the step unsplit
-        if inst.is_collective and plan.partial is None and id(inst) in waited:
-            comm += cost_model.collective(inst.opcode, payload_bytes(inst),
-                                          _groups(inst, num_devices)).time_us
+        if id(inst) in waited:
+            comm += t
     moved = 0.0
     sliced: set = set()
     for inst, plan in region.plans.items():
@@ -148,7 +164,28 @@ def score_region(region: Region, n: int, cost_model, num_devices: int,
         if plan.partial is None and not plan.replicable and inst not in free and any(
                 u not in region.plans for u in inst.users):
             moved += 2 * inst.shape.byte_size
-    return RegionScore(comm, moved / bw)
+    return RegionScore(comm, moved / bw + lost)
+
+
+def reduce_scatter_slice(coll, groups) -> object | None:
+    """The dynamic-slice that makes the all-reduce ``coll`` a reduce-scatter in XLA's
+    pipeline (``ReduceScatterCreator``: the partitioner's all-reduce whose only user keeps
+    each rank's ``1/group`` of one dimension at a computed offset), else None. Shapes only:
+    the offset is not proven to be the rank's (XLA checks that); a wrong guess costs a score,
+    never a result."""
+    users = coll.users
+    if coll.opcode != "all-reduce" or len(users) != 1 or not coll.shape.is_array:
+        return None
+    ds = users[0]
+    if ds.opcode != "dynamic-slice" or ds.operands[0] is not coll:
+        return None
+    size = len(groups[0]) if groups else 1
+    dims, out = coll.shape.dims, ds.shape.dims
+    cut = [d for d in range(len(dims)) if out[d] != dims[d]]
+    if size < 2 or len(cut) != 1 or out[cut[0]] * size != dims[cut[0]] \
+            or ds.operands[1 + cut[0]].opcode == "constant":
+        return None
+    return ds
 
 
 def _gemm_waits_for(comp, loop_body: bool) -> set:
