@@ -60,6 +60,11 @@ class _Entry:
     abstract: tuple | None = None  # (args, kwargs) as ShapeDtypeStructs, for a lazy capture
     tolerance: float = 0.0  # largest tolerance the passes declared
     check_pending: bool = False  # compare the next call with the original step
+    # set when the first-step check found a reassociating pass beyond its tolerance: the
+    # next call rebuilds the signature with these options (those passes left out)
+    rebuild: Options | None = None
+    note: str = ""  # words the report's first-step check keeps (why passes were left out)
+    built_with: Options | None = None  # the pipeline options this entry was built with
 
 
 def _leaf_signature(x: Any) -> tuple:
@@ -101,6 +106,10 @@ class OptimizedStep:
         self._cache: dict[tuple, _Entry] = {}
         self._last_key: tuple | None = None
         self._warned: set[str] = set()
+        # passes whose first step differed beyond their declared tolerance: left out of
+        # every later build of this step (one warning, one rebuild)
+        self._left_out: set[str] = set()
+        self._left_out_note = ""
         self._lock = threading.RLock()
 
     # -- public -----------------------------------------------------------------
@@ -119,6 +128,11 @@ class OptimizedStep:
                     entry = self._build(args, kwargs)
                     self._cache[key] = entry
         self._last_key = key
+        if entry.rebuild is not None:  # the first step differed: rebuild without the passes
+            with self._lock:
+                entry = self._cache[key]
+                if entry.rebuild is not None:
+                    entry = self._cache[key] = self._build(args, kwargs, entry.rebuild, entry.note)
         if entry.check_pending:
             with self._lock:
                 if entry.check_pending:
@@ -236,22 +250,32 @@ class OptimizedStep:
             entry.abstract = None
             return entry
 
-    def _build(self, args: tuple, kwargs: dict) -> _Entry:
+    def _build(self, args: tuple, kwargs: dict, options: Options | None = None,
+               note: str = "") -> _Entry:
+        """Capture, run the pipeline and compile one signature. ``options``: the pipeline's
+        (default ``self.options``; a rebuild passes them without the passes whose first
+        step differed beyond their tolerance); ``note``: words appended to the report's
+        first-step check."""
         name = getattr(self._fn, "__name__", "step")
         if self._platform_default:
             self.options = defaults_for_platform(_platform_of(args, kwargs))
             self._platform_default = False
-        if not self.options.passes and not self.options.always_recompile:
+        if options is None:  # passes that failed their first-step check elsewhere stay out
+            options = dataclasses.replace(self.options, passes=tuple(
+                p for p in self.options.passes if p not in self._left_out))
+            note = note or self._left_out_note
+        if not options.passes and not options.always_recompile:
             # Identity by construction: JAX's own executable, nothing captured until report().
             return _Entry(None, None, abstract=jax.tree.map(_abstract, (args, kwargs)))
-        cap, result, failure, timings = self._run_pipeline(args, kwargs)
-        unverified = ""
+        cap, result, failure, timings = self._run_pipeline(args, kwargs, options)
+        unverified = note
         if failure is None:
             cap, result, failure, timings, unverified = self._without_unverifiable(
-                cap, result, timings, args, kwargs, name)
+                cap, result, timings, args, kwargs, name, options)
+            unverified += note
         text = cap.hlo_text if cap is not None else ""
         n_dev = cap.num_partitions if cap is not None else len(jax.devices())
-        changed = failure is None and (self.options.always_recompile
+        changed = failure is None and (options.always_recompile
                                        or any(p.changed for p in result.passes))
         compiled = None
         if changed:
@@ -294,9 +318,10 @@ class OptimizedStep:
         report = dataclasses.replace(report, first_step_check=why + unverified)
         log.info("%s", report)
         return _Entry(compiled, report, text, result.text, tolerance=tolerance,
-                      check_pending=check)
+                      check_pending=check, built_with=options, note=note)
 
-    def _without_unverifiable(self, cap, result, timings: dict, args: tuple, kwargs: dict, name: str):
+    def _without_unverifiable(self, cap, result, timings: dict, args: tuple, kwargs: dict, name: str,
+                              options: Options):
         """Passes that reassociate sums declare a tolerance that only the first-step check
         verifies (bf16 region splits can exceed it: WORKSPACE_NOTES, session 8). Where the
         check cannot run (side effects, memory) and the user did not turn it off, the
@@ -320,8 +345,7 @@ class OptimizedStep:
             warnings.warn(f"concerto_jax.optimize({name}): {reason}", ConcertoFallbackWarning,
                           stacklevel=5)
         log.warning("%s: %s", name, reason)
-        options = dataclasses.replace(self.options, passes=tuple(
-            p for p in self.options.passes if p not in dropped))
+        options = dataclasses.replace(options, passes=tuple(p for p in options.passes if p not in dropped))
         cap, result, failure, again = self._run_pipeline(args, kwargs, options, cap=cap)
         timings = {**timings, **again}
         return cap, result, failure, timings, f"; {dropped} left out: they need the check"
@@ -370,14 +394,36 @@ class OptimizedStep:
         how = "bitwise" if entry.tolerance == 0 else f"within relative tolerance {entry.tolerance:g}"
         if same:
             entry.report = dataclasses.replace(
-                entry.report, first_step_check=f"ran: outputs equal the original's ({how})")
+                entry.report, first_step_check=f"ran: outputs equal the original's ({how})" + entry.note)
             return got
         found = "; ".join(bad) if bad else "another process found a difference"
         reason = f"the first optimised step differs from the original ({how}): {found}"
         if not self.options.fallback:
             raise FirstStepMismatch(reason)
-        self._warn(reason, name)
         entry.runner = None
+        base = entry.built_with or self.options
+        dropped = sorted({p.name for p in entry.report.passes if p.tolerance > 0})
+        rest = tuple(p for p in base.passes if p not in dropped)
+        if dropped and rest:
+            # the passes that reassociate sums went past their declared tolerance: this call
+            # returns the original's outputs, the next one runs the rest (checked bitwise)
+            why = (f"{reason}; the passes {dropped} that reassociate sums are left out and the "
+                   f"step is rebuilt with {list(rest)} at the next call")
+            if why not in self._warned:
+                self._warned.add(why)
+                warnings.warn(f"concerto_jax.optimize({name}): {why}", ConcertoFallbackWarning, stacklevel=3)
+            log.warning("%s: %s", name, why)
+            entry.rebuild = dataclasses.replace(base, passes=rest)
+            entry.note = self._left_out_note = (
+                f"; {dropped} left out: the first step with them differed beyond their tolerance "
+                f"({found})")
+            self._left_out.update(dropped)
+            entry.report = dataclasses.replace(
+                entry.report, optimized=False, fallback_reason=reason, executable="original",
+                first_step_check=f"ran: DIFFERED ({found}); this call fell back, the next rebuilds "
+                                 f"without {dropped}")
+            return reference
+        self._warn(reason, name)
         entry.report = dataclasses.replace(
             entry.report, optimized=False, fallback_reason=reason, executable="original",
             first_step_check=f"ran: DIFFERED ({found}); fell back")
