@@ -182,3 +182,27 @@ def test_cp_sat_memory_model_accepts_an_order_exactly_at_the_limit():
     # schedule() keeps only orders within the exact limit.
     res = schedule(g, dataclasses.replace(FAST, memory_limit_ratio=1.0), initial=order)
     assert res.peak_memory_bytes <= limit and res.memory_limit_bytes == limit
+
+
+def test_cp_sat_horizon_comes_from_an_order_within_the_limit(caplog):
+    """Both list schedules overlap the gather with the other chain (70 µs, both buffers
+    live: over the limit); the only orders within it run the chains one after the other
+    (120 µs). CP-SAT's horizon and hint come from the best order within the limit (here the
+    input): from the list schedule's 70 µs CP-SAT proved every order "infeasible" and
+    schedule() logged a failed solve (found on a conditional branch through compile_for_target)."""
+    import logging
+
+    info = CollectiveInfo("all-gather", 100, 8, ("g",))
+    tasks = [Task("ag", K, 50.0, 1, out_bytes=100, opcode="all-gather", collective=info),
+             Task("use_ag", C, 10.0, 0, out_bytes=1),
+             Task("big", C, 50.0, 0, out_bytes=100),
+             Task("use_big", C, 10.0, 0, out_bytes=1)]
+    g = TaskGraph(tasks, [[], [0], [], [2]])
+    order = g.synchronous_schedule()
+    with caplog.at_level(logging.INFO, logger="concerto_jax.scheduler"):
+        res = schedule(g, dataclasses.replace(FAST, memory_limit_ratio=1.0, full_model_max_tasks=100),
+                       initial=order)
+    assert res.stats["heuristic_peak_bytes"] > res.memory_limit_bytes == _peak(g, order)
+    assert res.stats["cp_status"] == "OPTIMAL" and res.stats["cp_makespan_us"] == pytest.approx(120.0)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert res.peak_memory_bytes <= res.memory_limit_bytes

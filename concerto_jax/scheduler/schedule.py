@@ -205,13 +205,20 @@ def schedule(
         # Memory fallback: program order, collectives synchronous (no early launches).
         consider("program", graph.synchronous_schedule())
     lb = lower_bound(graph)
-    if len(graph) <= options.full_model_max_tasks and htl.makespan > lb + 1e-9:
+    # CP-SAT's hint and horizon: the best list schedule within the limit, else the best
+    # candidate that is (the input order): a horizon from a list schedule over the limit
+    # can be shorter than every order within it, and CP-SAT then proves "infeasible"
+    # (a 35-task conditional branch whose input order alone fits)
+    hint_tl = htl
+    if cands and not any(c[1] in ("heuristic", "heuristic_feed") for c in cands):
+        hint_tl = simulate(graph, min(cands, key=lambda c: c[0])[2])
+    if len(graph) <= options.full_model_max_tasks and hint_tl.makespan > lb + 1e-9:
         params = SolverParams(time_limit_s=options.full_model_time_limit_s,
                               num_workers=options.num_workers, seed=options.seed,
                               deterministic_time=options.full_model_deterministic_time,
                               progress=options.progress)
         try:
-            sol = solve_program(graph, params, hint_start_us=htl.start, horizon_us=htl.makespan,
+            sol = solve_program(graph, params, hint_start_us=hint_tl.start, horizon_us=hint_tl.makespan,
                                 memory_limit_bytes=model_limit)
             cp_events = decode(graph, sol.start_us)
             cp_makespan = consider("cp", cp_events)
