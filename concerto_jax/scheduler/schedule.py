@@ -205,12 +205,14 @@ def schedule(
         # Memory fallback: program order, collectives synchronous (no early launches).
         consider("program", graph.synchronous_schedule())
     lb = lower_bound(graph)
-    # CP-SAT's hint and horizon: the best list schedule within the limit, else the best
-    # candidate that is (the input order): a horizon from a list schedule over the limit
-    # can be shorter than every order within it, and CP-SAT then proves "infeasible"
-    # (a 35-task conditional branch whose input order alone fits)
+    # CP-SAT's hint and horizon: that list schedule if it is within the limit, else the best
+    # candidate that is (a horizon from a list schedule over the limit can be shorter than
+    # every order within it, and CP-SAT then proves "infeasible": a 35-task conditional
+    # branch whose input order alone fits)
+    accepted = {c[1] for c in cands}
     hint_tl = htl
-    if cands and not any(c[1] in ("heuristic", "heuristic_feed") for c in cands):
+    if cands and (htl is ftl and "heuristic_feed" not in accepted
+                  or htl is not ftl and "heuristic" not in accepted):
         hint_tl = simulate(graph, min(cands, key=lambda c: c[0])[2])
     if len(graph) <= options.full_model_max_tasks and hint_tl.makespan > lb + 1e-9:
         params = SolverParams(time_limit_s=options.full_model_time_limit_s,
