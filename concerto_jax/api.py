@@ -65,6 +65,9 @@ class _Entry:
     rebuild: Options | None = None
     note: str = ""  # words the report's first-step check keeps (why passes were left out)
     built_with: Options | None = None  # the pipeline options this entry was built with
+    # Options.first_step_reference="wider": builds the step in wider precision (the second
+    # judge of a first step past the tolerance); None: no such judge
+    wider: Callable[[], Any] | None = None
 
 
 def _leaf_signature(x: Any) -> tuple:
@@ -315,10 +318,36 @@ class OptimizedStep:
             return _Entry(None, report, text, result.text)
         tolerance = max((p.tolerance for p in result.passes), default=0.0)
         check, why = self._check_decision(cap, args, kwargs, tolerance)
+        wider = None
+        if check and tolerance > 0 and self.options.first_step_reference == "wider":
+            wider, words = self._wider_judge(cap, args, kwargs)
+            why += words
         report = dataclasses.replace(report, first_step_check=why + unverified)
         log.info("%s", report)
         return _Entry(compiled, report, text, result.text, tolerance=tolerance,
-                      check_pending=check, built_with=options, note=note)
+                      check_pending=check, built_with=options, note=note, wider=wider)
+
+    def _wider_judge(self, cap, args: tuple, kwargs: dict) -> tuple[Callable[[], Any] | None, str]:
+        """The wider-precision judge of a reassociating signature's first step (built lazily:
+        only a first step past the tolerance runs it), or None where its second copy of the
+        inputs does not fit under "auto"; and the report's words."""
+        if self.options.check_first_step == "auto":
+            dyn_args, dyn_kwargs = self._static.dynamic(args, kwargs)
+            fits, why = first_step.fits_in_memory(
+                jax.tree.leaves((dyn_args, dyn_kwargs)), cap.output_avals,
+                cap.flat_output_shardings, copies=2)
+            if not multiprocess.all_succeeded(fits):
+                return None, (f"; no wider-precision judge: "
+                              f"{why if not fits else 'another process has no room for it'}")
+
+        def build():
+            text, mapping = pipeline.wider_text(cap.hlo_text)
+            loaded, _ = executor.compile_replicated(
+                text, cap.device_list, compiler_options=self.options.compiler_options,
+                host_callbacks=cap.host_callbacks)
+            return executor.swap_executable(cap.compiled, loaded), mapping
+
+        return build, ""
 
     def _without_unverifiable(self, cap, result, timings: dict, args: tuple, kwargs: dict, name: str,
                               options: Options):
@@ -375,10 +404,38 @@ class OptimizedStep:
             return True, f"pending (auto: {why})"
         return True, "pending"
 
+    def _judged_wider(self, entry: _Entry, spare: tuple, reference: Any, got: Any) -> tuple[bool, str]:
+        """Run the step in wider precision on ``spare`` (a copy of the inputs) and judge whether
+        ``got`` is as accurate as ``reference`` against it. Returns (kept, the report's words);
+        every process runs it and all must agree."""
+        build, entry.wider = entry.wider, None
+        runner = mapping = None
+        try:
+            runner, mapping = build()
+        except Exception as e:  # noqa: BLE001 - no judge: the plain check's verdict stands
+            log.warning("no wider-precision twin of the step: %s: %s", type(e).__name__, e)
+            failure = f"{type(e).__name__}: {e}"
+        if not multiprocess.all_succeeded(runner is not None):
+            return False, ("the step could not run in wider precision ("
+                           f"{failure if runner is None else 'on another process'})")
+        dyn_args, dyn_kwargs = self._static.dynamic(*spare)
+        wider = runner(*dyn_args, **dyn_kwargs)
+        worse = first_step.less_accurate(reference, got, wider, entry.tolerance)
+        if multiprocess.all_succeeded(not worse):
+            f = first_step.ACCURACY_FACTOR
+            return True, (f"as close to the step run in wider precision ({_widened(mapping)}) as "
+                          f"the original's (largest error within {f:g}x the original's, squared "
+                          f"errors per leaf within {f * f:g}x plus {first_step.EXTRA_EVENTS} of "
+                          f"its worst)")
+        found = "; ".join(worse) if worse else "another process found a less accurate output"
+        return False, f"less accurate than the original against the step in wider precision: {found}"
+
     def _checked_call(self, entry: _Entry, args: tuple, kwargs: dict):
         """The first call of a recompiled signature, compared with the original step."""
         name = getattr(self._fn, "__name__", "step")
         copies_args, copies_kwargs = first_step.copy_arrays((args, kwargs))
+        # the wider-precision judge's inputs: copied before either step may donate them
+        spare = first_step.copy_arrays((args, kwargs)) if entry.wider is not None else None
         if self.options.compiler_options:  # the original compiled as ours was
             original = self._fn.lower(*copies_args, **copies_kwargs).compile(
                 compiler_options=dict(self.options.compiler_options))
@@ -393,10 +450,20 @@ class OptimizedStep:
         entry.check_pending = False
         how = "bitwise" if entry.tolerance == 0 else f"within relative tolerance {entry.tolerance:g}"
         if same:
+            entry.wider = None
             entry.report = dataclasses.replace(
                 entry.report, first_step_check=f"ran: outputs equal the original's ({how})" + entry.note)
             return got
         found = "; ".join(bad) if bad else "another process found a difference"
+        if spare is not None:
+            accurate, words = self._judged_wider(entry, spare, reference, got)
+            if accurate:
+                entry.report = dataclasses.replace(entry.report, first_step_check=(
+                    f"ran: outputs differ from the original's beyond relative tolerance "
+                    f"{entry.tolerance:g} ({found}) and are {words}") + entry.note)
+                log.info("%s: first step kept: %s", name, entry.report.first_step_check)
+                return got
+            found += f"; {words}"
         reason = f"the first optimised step differs from the original ({how}): {found}"
         if not self.options.fallback:
             raise FirstStepMismatch(reason)
@@ -409,6 +476,9 @@ class OptimizedStep:
             # returns the original's outputs, the next one runs the rest (checked bitwise)
             why = (f"{reason}; the passes {dropped} that reassociate sums are left out and the "
                    f"step is rebuilt with {list(rest)} at the next call")
+            if self.options.first_step_reference == "original":
+                why += (" (Options(first_step_reference='wider') keeps them where the outputs "
+                        "are as accurate as the original's against the step in wider precision)")
             if why not in self._warned:
                 self._warned.add(why)
                 warnings.warn(f"concerto_jax.optimize({name}): {why}", ConcertoFallbackWarning, stacklevel=3)
@@ -428,6 +498,10 @@ class OptimizedStep:
             entry.report, optimized=False, fallback_reason=reason, executable="original",
             first_step_check=f"ran: DIFFERED ({found}); fell back")
         return reference
+
+
+def _widened(mapping: dict[str, str]) -> str:
+    return ", ".join(f"{a} -> {b}" for a, b in mapping.items())
 
 
 def _platform_of(args: tuple, kwargs: dict) -> str:

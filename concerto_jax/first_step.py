@@ -11,6 +11,10 @@ and falls back for good.
 
 Cost: one more compile (JAX's own, of the original step) and one more step on
 the first call; memory for a copy of the inputs and one extra set of outputs.
+
+With ``Options.first_step_reference="wider"``, outputs past the tolerance get a second
+judge: the step run in wider precision (``pipeline.wider_text``), against which the
+optimised outputs must be as accurate as the original's (``less_accurate``).
 """
 
 from __future__ import annotations
@@ -72,8 +76,10 @@ def _host_available_bytes() -> int | None:
         return None
 
 
-def fits_in_memory(arg_leaves: Sequence[Any], out_avals, out_shardings) -> tuple[bool, str]:
-    """Whether a copy of the inputs and one extra output set fit comfortably in free memory.
+def fits_in_memory(arg_leaves: Sequence[Any], out_avals, out_shardings,
+                   copies: int = 1) -> tuple[bool, str]:
+    """Whether ``copies`` copies of the inputs and as many extra output sets fit comfortably
+    in free memory.
 
     Devices with ``memory_stats()`` (GPU, TPU) are judged one by one against
     ``bytes_limit - bytes_in_use``; devices without (the CPU backend, whose
@@ -86,6 +92,7 @@ def fits_in_memory(arg_leaves: Sequence[Any], out_avals, out_shardings) -> tuple
     need = _shard_bytes_by_device(arg_leaves)
     for d, b in _out_bytes_by_device(out_avals, out_shardings).items():
         need[d] = need.get(d, 0) + b
+    need = {d: copies * b for d, b in need.items()}
     host_need = 0
     for device, nbytes in need.items():
         stats = None
@@ -179,4 +186,90 @@ def differences(reference: Any, got: Any, tolerance: float = 0.0, limit: int = 5
                 break
         if len(bad) >= limit:
             break
+    return bad
+
+
+ACCURACY_FACTOR = 2.0
+"""How much further from the wider-precision run than the original's the optimised outputs
+may be (``less_accurate``)."""
+
+EXTRA_EVENTS = 2
+"""Worst-case errors a leaf may have beyond the original's (``less_accurate``)."""
+
+
+def _distinct_values(x: jax.Array) -> np.ndarray:
+    """This process's part of ``x``, each element once (replicated shards counted once), flat."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    seen, parts = set(), []
+    for s in sorted(x.addressable_shards, key=lambda s: s.device.id):
+        key = repr(s.index)
+        if key not in seen:
+            seen.add(key)
+            parts.append(np.asarray(s.data).reshape(-1))
+    return np.concatenate(parts) if parts else np.zeros((0,), x.dtype)
+
+
+def less_accurate(reference: Any, got: Any, wider: Any, tolerance: float,
+                  factor: float = ACCURACY_FACTOR, extra: int = EXTRA_EVENTS,
+                  limit: int = 5) -> list[str]:
+    """Leaves where ``got`` is less accurate than ``reference``, both judged against ``wider``.
+
+    ``wider`` is the step run in wider precision (``hlo_passes.upcast``). Errors are
+    normalised per leaf by the largest magnitude of its wider value. ``got`` passes
+    when (1) its largest normalised error anywhere is at most ``factor`` x the original's
+    largest anywhere, and (2) in every float leaf its sum of squared normalised errors is
+    at most ``factor``^2 x the original's plus ``extra`` worst-case errors (the original's
+    largest, squared): an optimizer that turns rounding into +-lr (Adam's first step) flips
+    a few near-zero gradients in one run and not the other, and a small leaf (a bias) may
+    have none in the original's run. Errors within ``tolerance`` count as none. NaN / inf
+    must sit where the original's do; other leaves (integers, keys, bools) must equal the
+    original's bit for bit. Compares this process's part of each leaf.
+    """
+    ref_leaves, _ = jax.tree_util.tree_flatten_with_path(reference)
+    got_leaves, wide_leaves = jax.tree.leaves(got), jax.tree.leaves(wider)
+    if len(got_leaves) != len(ref_leaves) or len(wide_leaves) != len(ref_leaves):
+        return ["output structure differs"]
+    bad, errors = [], []
+    for (path, r), g, w in zip(ref_leaves, got_leaves, wide_leaves, strict=True):
+        name = jax.tree_util.keystr(path) or "<output>"
+        if not all(isinstance(x, jax.Array) for x in (r, g, w)):
+            if not np.array_equal(np.asarray(r), np.asarray(g)):
+                bad.append(f"{name}: values differ")
+            continue
+        rv, gv, wv = _distinct_values(r), _distinct_values(g), _distinct_values(w)
+        if not _is_float(rv.dtype) or np.iscomplexobj(rv):
+            if not np.array_equal(_bits(rv), _bits(gv)):
+                bad.append(f"{name}: values differ")
+            continue
+        rv, gv, wv = (v.astype(np.float64) for v in (rv, gv, wv))
+        finite = np.isfinite(rv)
+        if not np.array_equal(finite, np.isfinite(gv)) or not np.array_equal(
+                rv[~finite], gv[~finite], equal_nan=True):
+            bad.append(f"{name}: non-finite values differ from the original's")
+            continue
+        keep = finite & np.isfinite(wv)  # where the wider run overflows there is no judge
+        rv, gv, wv = rv[keep], gv[keep], wv[keep]
+        scale = float(np.max(np.abs(wv))) if wv.size else 0.0
+        if not wv.size or scale == 0.0:
+            if not np.array_equal(rv, gv):
+                bad.append(f"{name}: values differ where the wider run is zero")
+            continue
+        er, eg = np.abs(rv - wv) / scale, np.abs(gv - wv) / scale
+        er[er <= tolerance] = 0.0
+        eg[eg <= tolerance] = 0.0
+        errors.append((name, er, eg))
+    worst = max((float(er.max()) for _, er, _ in errors), default=0.0)
+    for name, er, eg in errors:
+        if len(bad) >= limit:
+            break
+        max_g = float(eg.max())
+        if max_g > factor * worst:
+            bad.append(f"{name}: an error of {max_g:.3g} of its largest magnitude, over "
+                       f"{factor:g}x the original's largest anywhere ({worst:.3g})")
+            continue
+        ss_r, ss_g = float(np.sum(er ** 2)), float(np.sum(eg ** 2))
+        if ss_g > factor ** 2 * ss_r + extra * worst ** 2:
+            bad.append(f"{name}: RMS error {np.sqrt(ss_g / eg.size):.3g} of its largest magnitude "
+                       f"vs the original's {np.sqrt(ss_r / er.size):.3g}")
     return bad

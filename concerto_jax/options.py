@@ -64,6 +64,19 @@ class Options:
     # with compiler_options such a module is checked against the original compiled with the
     # same options. False runs it unchecked.
     check_first_step: bool | str = "auto"
+    # What a reassociating pass's first step is held to. "original": every output within the
+    # tolerance the passes declare of the original's; where one is not, those passes are
+    # left out (the step is rebuilt without them, the rest kept). On bf16 steps with Adam
+    # that is the common case: Adam's first update is +-lr on the sign of each gradient, so
+    # a rounding-level change of a near-zero gradient moves a parameter by 2 x lr, past any
+    # fixed tolerance. "wider": where an output is past the tolerance, the step also runs in
+    # wider precision (hlo_passes.upcast: bf16 / f16 -> f32, else f32 -> f64), and the
+    # optimised outputs are kept when each leaf is as close to that run as the original's
+    # (largest and RMS error at most first_step.ACCURACY_FACTOR = 2x the original's, or
+    # within the tolerance; other leaves bitwise): as accurate as the original step, not
+    # equal to it. Costs, on the first call only, one more compile and step and a second
+    # copy of the inputs (the check then needs two copies within half of the free memory).
+    first_step_reference: str = "original"
     # Recompile the post-SPMD module even when no pass changed it. By default an
     # unchanged module runs JAX's own executable of the step (identical by
     # construction); True exercises our recompile path (tests, debugging).
@@ -117,6 +130,9 @@ class Options:
         if self.check_first_step not in (True, False, "auto"):
             raise ValueError(
                 f"check_first_step must be True, False or 'auto', got {self.check_first_step!r}")
+        if self.first_step_reference not in ("original", "wider"):
+            raise ValueError(f"first_step_reference must be 'original' or 'wider', got "
+                             f"{self.first_step_reference!r}")
         if not isinstance(self.compiler_options, Mapping):
             raise TypeError(
                 f"compiler_options must be a mapping of XLA option -> value, got "

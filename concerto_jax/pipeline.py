@@ -20,6 +20,7 @@ from concerto_jax.executor import parse_with_xla
 from concerto_jax.options import Options
 from concerto_jax.report import PassRecord, count_collectives
 from hlo_passes.rewrites import spmd_to_replicated
+from hlo_passes.upcast import upcast_floats
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,31 @@ class PipelineResult:
         return cls(**data)
 
 
+def _replicated_text(module: hlo_passes.HloModule) -> str:
+    """The module as the executor compiles it: partitions as replicas (``spmd_to_replicated``)."""
+    if module.replica_count == 1 and module.num_partitions > 1:
+        spmd_to_replicated(module)
+    else:  # a one-device program: nothing to translate but partition-id
+        hlo_passes.partition_id_to_replica_id(module)
+    return hlo_passes.module_to_text(module)
+
+
+def wider_text(hlo_text: str) -> tuple[str, dict[str, str]]:
+    """The captured module in wider precision (``hlo_passes.upcast``), ready for the executor,
+    and the element-type map applied. Same arguments and output types as the original.
+
+    Raises:
+      hlo_passes.HloError: the module cannot be widened (``UpcastError`` says why) or parsed.
+      concerto_jax.executor.ExecutorError: XLA's parser rejected the widened text.
+    """
+    module = hlo_passes.parse_module(hlo_text, source="captured")
+    mapping = upcast_floats(module)
+    hlo_passes.verify(module)
+    text = _replicated_text(module)
+    parse_with_xla(text)
+    return text, mapping
+
+
 def run(hlo_text: str, options: Options) -> PipelineResult:
     """Run the pipeline on a captured post-SPMD module.
 
@@ -182,11 +208,7 @@ def run(hlo_text: str, options: Options) -> PipelineResult:
     timings["passes"] = time.perf_counter() - t_passes
 
     t0 = time.perf_counter()
-    if module.replica_count == 1 and module.num_partitions > 1:
-        spmd_to_replicated(module)
-    else:  # a one-device program: nothing to translate but partition-id
-        hlo_passes.partition_id_to_replica_id(module)
-    text = hlo_passes.module_to_text(module)
+    text = _replicated_text(module)
     timings["print"] = time.perf_counter() - t0
     if options.validate_with_xla:
         t0 = time.perf_counter()
