@@ -544,3 +544,27 @@ def test_memory_budget_plans_within_xlas_limit_and_keeps_the_faster():
     assert res.planned_step_us <= only.planned_step_us + 0.11
     with pytest.raises(ValueError, match="memory_budget"):
         concerto_jax.Options(memory_budget="all")
+
+
+@needs_plugin
+def test_gpu_library_calls_compile_without_the_gpu():
+    """jnp.linalg.cholesky lowers to cuSOLVER's potrf on the target: its FFI handler comes with
+    the CUDA plugin, which joins after JAX registered its library calls; the deviceless compile
+    raised "No FFI handler registered for cusolver_potrf_ffi" before cuda_plugin registered them."""
+    import jax
+    import jax.numpy as jnp
+
+    step, args = _mlp()
+    grads = step
+
+    @jax.jit
+    def whitened(w1, w2, x):
+        g1, g2 = grads(w1, w2, x)
+        c = (g2.T @ g2).astype(jnp.float32) + jnp.eye(g2.shape[1])
+        return g1, jnp.linalg.cholesky(c)
+
+    res = concerto_jax.compile_for_target(whitened, *args, target="h100_sxm_8", options=concerto_jax.Options(
+        passes=("schedule",), fallback=False, combine_thresholds=()))
+    assert res.fallback_reason is None
+    for text in (res.stock_final_text, res.final_text):
+        assert 'custom_call_target="cusolver_potrf_ffi"' in text

@@ -113,7 +113,41 @@ def ensure_registered() -> bool:
     with _env("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1"):
         module.initialize()
     log.info("registered the CUDA plugin from %s for deviceless compiles", folder)
+    _register_library_calls()
     return "cuda" in xb._topology_factories
+
+
+_LIBRARY_MODULES = ("gpu_solver", "gpu_linalg", "gpu_sparse", "gpu_prng")
+
+
+def _register_library_calls() -> None:
+    """Register the plugin's GPU library kernels (cuSOLVER, cuSPARSE, ...) with XLA:CUDA.
+
+    jaxlib registers them when JAX starts, from whichever CUDA plugin it can import then;
+    ours joins ``sys.path`` later, so a step that calls one (``jnp.linalg.cholesky`` lowers to
+    ``cusolver_potrf_ffi``) failed the deviceless compile with "No FFI handler registered".
+    jaxlib's own modules are reloaded now that the plugin imports, and their registrations
+    made as JAX makes them (``jax._src.lax.linalg.register_module_custom_calls``). A module
+    that fails is logged and skipped: a step that needs it gets XLA's error, as before.
+    """
+    from jax import ffi
+
+    for name in _LIBRARY_MODULES + ("gpu_rnn",):
+        try:
+            module = importlib.reload(importlib.import_module(f"jaxlib.{name}"))
+            if name == "gpu_rnn":  # registers its targets when imported
+                continue
+            for platform, targets in module.registrations().items():
+                if platform != "CUDA":
+                    continue
+                for target, value, api_version in targets:
+                    ffi.register_ffi_target(target, value, platform=platform,
+                                            api_version=api_version)
+            for target in getattr(module, "batch_partitionable_targets", list)():
+                ffi.register_ffi_target_as_batch_partitionable(target)
+        except Exception as e:  # noqa: BLE001 - optional kernels: the compile says what is missing
+            log.warning("GPU library calls of jaxlib.%s not registered for deviceless compiles: "
+                        "%s: %s", name, type(e).__name__, e)
 
 
 def main(argv=None) -> int:
