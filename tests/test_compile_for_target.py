@@ -318,6 +318,27 @@ def test_rewrite_guard_keeps_the_faster_of_rewritten_and_plain_plans(monkeypatch
     assert unguarded.planned_step_us == pytest.approx(rewritten, abs=0.11)
 
 
+@needs_plugin
+def test_a_program_slower_than_stock_on_xlas_module_reports_stock(monkeypatch):
+    """Never slower than stock: a program whose XLA final module simulates slower than stock's
+    (here the forced split with its rewrite guard off inside the backend-only path: 77 vs 48 us)
+    is replaced by the stock program, the pass records kept to say what was tried."""
+    from concerto_jax.decompose.options import DecomposeOptions
+    from concerto_jax.target import program
+
+    real = program._backend_only
+    monkeypatch.setattr(program, "_backend_only",
+                        lambda *a, guard_rewrites, **k: real(*a, guard_rewrites=False, **k))
+    step, args = _mlp()
+    res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=concerto_jax.Options(
+        passes=("decompose", "schedule"), fallback=False, decompose=DecomposeOptions(force_degree=2),
+        combine_thresholds=()))
+    assert res.via == "stock" and res.final_text == res.stock_final_text
+    assert res.final_step_us == res.stock_step_us and res.emitted_text is None
+    assert "simulates slower than stock's" in res.fallback_reason, res.fallback_reason
+    assert next(p for p in res.passes if p.name == "decompose").changed
+
+
 def _dp_mlp(layers: int = 6, fsdp: bool = False):
     """A tanh MLP's gradient step on 8 target devices, the batch split over "dp": weights
     replicated (gradient all-reduces) or, with ``fsdp``, sharded by rows (weight all-gathers
