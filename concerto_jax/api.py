@@ -271,11 +271,11 @@ class OptimizedStep:
             # Identity by construction: JAX's own executable, nothing captured until report().
             return _Entry(None, None, abstract=jax.tree.map(_abstract, (args, kwargs)))
         cap, result, failure, timings = self._run_pipeline(args, kwargs, options)
-        unverified = note
+        unverified = ""
         if failure is None:
             cap, result, failure, timings, unverified = self._without_unverifiable(
                 cap, result, timings, args, kwargs, name, options)
-            unverified += note
+        unverified += note
         text = cap.hlo_text if cap is not None else ""
         n_dev = cap.num_partitions if cap is not None else len(jax.devices())
         changed = failure is None and (options.always_recompile

@@ -199,8 +199,10 @@ def schedule(
     stats["heuristic_feed_makespan_us"] = ftl.makespan
     consider("heuristic", heur, htl)
     consider("heuristic_feed", feed, ftl)
+    hint_source, hint_tl = "heuristic", htl
     if ftl.makespan < htl.makespan and any(c[1] == "heuristic_feed" for c in cands):
-        htl = ftl  # the CP-SAT hint and horizon below: the better list schedule within the limit
+        # the CP-SAT hint and horizon below: the better list schedule within the limit
+        hint_source, hint_tl = "heuristic_feed", ftl
     if limit is not None and not cands:
         # Memory fallback: program order, collectives synchronous (no early launches).
         consider("program", graph.synchronous_schedule())
@@ -209,10 +211,7 @@ def schedule(
     # candidate that is (a horizon from a list schedule over the limit can be shorter than
     # every order within it, and CP-SAT then proves "infeasible": a 35-task conditional
     # branch whose input order alone fits)
-    accepted = {c[1] for c in cands}
-    hint_tl = htl
-    if cands and (htl is ftl and "heuristic_feed" not in accepted
-                  or htl is not ftl and "heuristic" not in accepted):
+    if cands and hint_source not in {c[1] for c in cands}:
         hint_tl = simulate(graph, min(cands, key=lambda c: c[0])[2])
     if len(graph) <= options.full_model_max_tasks and hint_tl.makespan > lb + 1e-9:
         params = SolverParams(time_limit_s=options.full_model_time_limit_s,
