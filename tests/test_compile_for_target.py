@@ -339,6 +339,67 @@ def test_a_program_slower_than_stock_on_xlas_module_reports_stock(monkeypatch):
     assert next(p for p in res.passes if p.name == "decompose").changed
 
 
+@needs_plugin
+def test_rewrite_guard_tries_the_replicated_collectives_without_the_split(monkeypatch):
+    """DP x TP across 2 hosts with a replicated embedding table: its gradient's all-reduce over
+    the hosts pays sliced over the tensor-parallel group (decompose's replicated collectives).
+    Where the whole rewrite loses on XLA's module (here made to lose: the first plan the
+    guard makes, the split program's, is judged 3x slower than it is; a real case is the 3-D
+    dp x fsdp x tp step of WORKSPACE_NOTES session 15), the guard plans the rewrite without
+    the split (DecomposeOptions.split=False) against the original and keeps the faster: the
+    records, the figure and the handed module must agree."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from concerto_jax.decompose.options import DecomposeOptions
+    from concerto_jax.target import program
+
+    real, calls = program._plan_on, []
+
+    def first_plan_slower(*a, **k):
+        plan = real(*a, **k)
+        calls.append(plan)
+        if len(calls) == 1:
+            plan = {**plan, "judged": dataclasses.replace(plan["judged"], us=3 * plan["judged"].us)}
+        return plan
+
+    monkeypatch.setattr(program, "_plan_on", first_plan_slower)
+    mesh = concerto_jax.target_mesh("h100_sxm_2x4", (2, 4), ("data", "model"))
+    spec = {"emb": P(), "w1": P(None, "model"), "w2": P("model", None)}
+    shapes = {"emb": (32768, 1024), "w1": (1024, 256), "w2": (256, 1024)}
+    params = {k: jax.ShapeDtypeStruct(shapes[k], jnp.float32, sharding=NamedSharding(mesh, spec[k]))
+              for k in spec}
+    bsh = NamedSharding(mesh, P("data"))
+
+    def loss(p, ids, y):
+        return jnp.mean((jax.nn.gelu(jnp.take(p["emb"], ids, axis=0) @ p["w1"]) @ p["w2"] - y) ** 2)
+
+    @jax.jit
+    def step(params, ids, y):
+        value, grads = jax.value_and_grad(loss)(params, ids, y)
+        return jax.tree.map(lambda a, b: a - 0.01 * b, params, grads), value
+
+    ids = jax.ShapeDtypeStruct((16, 64), jnp.int32, sharding=bsh)
+    y = jax.ShapeDtypeStruct((16, 64, 1024), jnp.float32, sharding=bsh)
+    res = concerto_jax.compile_for_target(step, params, ids, y, target="h100_sxm_2x4", options=concerto_jax.Options(
+        passes=("decompose", "schedule"), fallback=False, combine_thresholds=(),
+        decompose=DecomposeOptions(force_degree=2)))
+    dec = next(p for p in res.passes if p.name == "decompose")
+    guard = dec.stats["final_module_guard"]
+    assert not guard["kept"] and guard["rewritten_planned_us"] > guard["without_rewrite_planned_us"], guard
+    alt = guard["without_split"]
+    assert alt["kept"] == (alt["planned_us"] < guard["without_rewrite_planned_us"]), guard
+    assert alt["kept"], guard  # the replicated all-reduce alone pays
+    assert dec.changed and dec.stats["strategy"].startswith("none") and dec.stats["replicated"]
+    assert res.planned_step_us == pytest.approx(alt["planned_us"], abs=0.11)
+    assert "replica_count=8" in res.emitted_text.split("\n", 1)[0]  # our replicated program
+    assert res.final_step_us < res.stock_step_us
+
+
 def _dp_mlp(layers: int = 6, fsdp: bool = False):
     """A tanh MLP's gradient step on 8 target devices, the batch split over "dp": weights
     replicated (gradient all-reduces) or, with ``fsdp``, sharded by rows (weight all-gathers

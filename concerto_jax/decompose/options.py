@@ -116,6 +116,10 @@ class DecomposeOptions:
     # model says it is cheaper (concerto_jax.decompose.replicated: across hosts, not on
     # one NVLink host). Bitwise.
     replicated_reductions: bool = True
+    # Split the computation (regions, else contexts; loop rotation after a region split).
+    # False: only the collectives of replicated operands above (compile_for_target's rewrite
+    # guard tries that program where the whole rewrite loses on XLA's module).
+    split: bool = True
     # Loop bodies (computation names of the post-SPMD module) not to rotate:
     # compile_for_target's rotation guard sets it when a rotation loses on XLA's module.
     rotate_skip: tuple[str, ...] = ()

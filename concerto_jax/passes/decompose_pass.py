@@ -74,13 +74,20 @@ def decompose_pass(module, options) -> PassOutcome:
     """Decompose ``module``'s critical collectives; see the module docstring."""
     dopts = getattr(options, "decompose", None) or DecomposeOptions()
     cost_model = CostModel(get_cluster(options.target))
-    outcome = _split(module, options, dopts, cost_model)
+    if dopts.split:
+        outcome = _split(module, options, dopts, cost_model)
+    else:
+        outcome = PassOutcome(changed=False, stats={"target": options.target,
+                                                    "strategy": "none (DecomposeOptions.split=False)"})
     if not dopts.replicated_reductions:
         return outcome
     records = _replicated_reductions(module, cost_model)
     if not records:
         return outcome
-    return PassOutcome(changed=True, stats={**outcome.stats, "replicated": records},
+    # split_changed: compile_for_target's guard tries the program without the split where
+    # the whole rewrite loses
+    return PassOutcome(changed=True, stats={**outcome.stats, "replicated": records,
+                                            "split_changed": outcome.changed},
                        tolerance=outcome.tolerance)
 
 
