@@ -39,6 +39,8 @@ LAYOUTS: dict[str, tuple[str, tuple[int, int], int, bool]] = {
     "tp_scan": ("h100_sxm_8", (1, 8), 8, True),
     "dp_tp_scan": ("h100_sxm_2x8", (2, 8), 8, True),
     "tp_pcie": ("h100_pcie_8", (1, 8), 8, False),
+    # MaxText-style fsdp x tensor: weights sharded over both axes, data 8 across 2 hosts
+    "fsdp_tp": ("h100_sxm_2x8", (8, 2), 16, False),
 }
 
 COLUMNS = ("layout", "cluster", "mesh", "scanned", "status", "stock_us", "ours_us", "gain",
@@ -95,9 +97,13 @@ def _model(scanned: bool, layers: int):
     return loss_fn, shapes
 
 
-def _specs(fsdp: bool) -> dict:
+def _specs(fsdp: bool, tp: bool) -> dict:
     from jax.sharding import PartitionSpec as P
 
+    if fsdp and tp:  # both: the model dimension over "data", heads / MLP hidden over "model"
+        return {"n1": P(), "n2": P(), "wq": P("data", "model"), "wk": P("data", "model"),
+                "wv": P("data", "model"), "wo": P("model", None, "data"), "wg": P("data", "model"),
+                "wu": P("data", "model"), "wd": P("model", "data")}
     if fsdp:  # every matrix sharded over "data" along its first model dimension
         return {"n1": P(), "n2": P(), "wq": P("data"), "wk": P("data"), "wv": P("data"),
                 "wo": P(None, None, "data"), "wg": P("data"), "wu": P("data"), "wd": P(None, "data")}
@@ -118,9 +124,9 @@ def build(layout: str, layers: int):
 
     cluster, mesh_shape, batch, scanned = LAYOUTS[layout]
     mesh = concerto_jax.target_mesh(cluster, mesh_shape, ("data", "model"))
-    fsdp = layout.startswith("fsdp")
+    fsdp, tp = layout.startswith("fsdp"), mesh_shape[1] > 1
     loss_fn, shapes = _model(scanned, layers)
-    specs = _specs(fsdp)
+    specs = _specs(fsdp, tp)
 
     def sds(shape, spec, dtype=jnp.float32):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
@@ -129,8 +135,12 @@ def build(layout: str, layers: int):
         stacked = {k: sds((layers, *s), P(None, *specs[k])) for k, s in shapes.items()}
     else:
         stacked = [{k: sds(s, specs[k]) for k, s in shapes.items()} for _ in range(layers)]
-    big = "data" if fsdp else "model"  # vocab-parallel embedding and head (or FSDP-sharded)
-    params = {"emb": sds((VOCAB, D), P(big)), "head": sds((D, VOCAB), P(None, big)), "nf": sds((D,), P()),
+    if fsdp and tp:  # vocabulary over "model", the model dimension over "data"
+        emb, head = P("model", "data"), P("data", "model")
+    else:  # vocab-parallel embedding and head (or FSDP-sharded)
+        big = "data" if fsdp else "model"
+        emb, head = P(big), P(None, big)
+    params = {"emb": sds((VOCAB, D), emb), "head": sds((D, VOCAB), head), "nf": sds((D,), P()),
               "layers": stacked}
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-4, weight_decay=0.1))
     by_shape = {p.shape: p.sharding.spec for p in jax.tree.leaves(params)}
@@ -163,6 +173,7 @@ def run_layout(layout: str, layers: int) -> dict:
     dec = next((p for p in res.passes if p.name == "decompose"), None)
     guard = (dec.stats.get("final_module_guard") or {}) if dec else {}
     searched = guard.get("after_combine_thresholds")
+    alone = guard.get("without_split")
     _, mesh, _, scanned = LAYOUTS[layout]
     return {
         "layout": layout, "cluster": cluster, "mesh": "x".join(map(str, mesh)), "scanned": scanned,
@@ -177,7 +188,9 @@ def run_layout(layout: str, layers: int) -> dict:
         "guard": (("kept" if guard.get("kept") else "dropped")
                   + f" ({guard.get('without_rewrite_planned_us')} us without -> {guard.get('rewritten_planned_us')}"
                   " us with the split" + (f"; after both threshold searches {searched['without_rewrite_planned_us']}"
-                                          f" -> {searched['rewritten_planned_us']} us" if searched else "") + ")"
+                                          f" -> {searched['rewritten_planned_us']} us" if searched else "")
+                  + (f"; the replicated collectives without the split {alone['planned_us']} us: "
+                     + ("kept" if alone["kept"] else "dropped") if alone else "") + ")"
                   ) if guard else "",
         "peak_mb": round(res.peak_bytes / 1e6, 1) if res.peak_bytes else "",
         "limit_mb": round(res.memory_limit_bytes / 1e6, 1) if res.memory_limit_bytes else "",
