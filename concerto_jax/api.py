@@ -409,18 +409,18 @@ class OptimizedStep:
         ``got`` is as accurate as ``reference`` against it. Returns (kept, the report's words);
         every process runs it and all must agree."""
         build, entry.wider = entry.wider, None
-        runner = mapping = None
+        worse, failure = None, ""
         try:
             runner, mapping = build()
-        except Exception as e:  # noqa: BLE001 - no judge: the plain check's verdict stands
-            log.warning("no wider-precision twin of the step: %s: %s", type(e).__name__, e)
+            dyn_args, dyn_kwargs = self._static.dynamic(*spare)
+            wider = runner(*dyn_args, **dyn_kwargs)
+            worse = first_step.less_accurate(reference, got, wider, entry.tolerance)
+        except Exception as e:  # noqa: BLE001 - no judge (memory, XLA): the plain verdict stands
+            log.warning("the step could not run in wider precision: %s: %s", type(e).__name__, e)
             failure = f"{type(e).__name__}: {e}"
-        if not multiprocess.all_succeeded(runner is not None):
+        if not multiprocess.all_succeeded(worse is not None):
             return False, ("the step could not run in wider precision ("
-                           f"{failure if runner is None else 'on another process'})")
-        dyn_args, dyn_kwargs = self._static.dynamic(*spare)
-        wider = runner(*dyn_args, **dyn_kwargs)
-        worse = first_step.less_accurate(reference, got, wider, entry.tolerance)
+                           f"{failure or 'on another process'})")
         if multiprocess.all_succeeded(not worse):
             f = first_step.ACCURACY_FACTOR
             return True, (f"as close to the step run in wider precision ({_widened(mapping)}) as "

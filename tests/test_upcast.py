@@ -121,13 +121,16 @@ def test_modules_without_a_meaningful_twin_are_refused(body, why):
 # -- the first-step judge --------------------------------------------------------------------
 
 
-def _bf16_adam_step():
-    """A bf16-compute data-parallel MLP with AdamW on 8 CPU devices (f32 master weights)."""
+def _bf16_adam_step(fp8_input: bool = False):
+    """A bf16-compute data-parallel MLP with AdamW on 8 CPU devices (f32 master weights);
+    ``fp8_input``: the batch goes through float8_e4m3fn first (a module with no wider twin)."""
     mesh = jax.make_mesh((8,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
     rep, dat = NamedSharding(mesh, P()), NamedSharding(mesh, P("dp"))
     opt = optax.adamw(1e-3)
 
     def loss(ws, x):
+        if fp8_input:
+            x = x.astype(jnp.float8_e4m3fn).astype(jnp.bfloat16)
         for w in ws:
             x = jnp.tanh(x @ w.astype(jnp.bfloat16))
         return jnp.mean(x.astype(jnp.float32) ** 2)
@@ -184,6 +187,23 @@ def test_wider_judge_rejects_a_wrong_rewrite_that_declared_a_tolerance(monkeypat
         report.first_step_check, report.first_step_check
     ours = [str(w.message) for w in caught if "concerto_jax" in str(w.message)]
     assert len(ours) == 1 and "['corrupt'] that reassociate sums are left out" in ours[0]
+
+
+def test_a_step_without_a_wider_twin_keeps_the_plain_verdict(monkeypatch):
+    """fp8 values in the module: no twin (UpcastError), so the plain check's verdict stands:
+    the original's outputs, the pass left out, the reason in the one warning."""
+    monkeypatch.setitem(pipeline.PASSES, "corrupt", _corrupt_gradients)
+    step, ws, state, x = _bf16_adam_step(fp8_input=True)
+    want = step(ws, state, x)
+    opt = concerto_jax.optimize(step, concerto_jax.Options(
+        passes=("corrupt", "schedule"), first_step_reference="wider"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = opt(ws, state, x)
+    assert not first_step.differences(want, got)
+    ours = [str(w.message) for w in caught if "concerto_jax" in str(w.message)]
+    assert len(ours) == 1 and "could not run in wider precision (UpcastError" in ours[0], ours
+    assert "['corrupt'] that reassociate sums are left out" in ours[0]
 
 
 def test_wider_judge_keeps_an_exact_split_of_a_bf16_adam_step():
