@@ -232,3 +232,21 @@ def test_wider_judge_keeps_an_exact_split_of_a_bf16_adam_step():
     assert first_step.differences(want, got, 1e-3)  # past the tolerance: the judge decided
     assert not first_step.differences(got, again)  # the kept executable runs from then on
     np.testing.assert_allclose(float(got[1]["loss"]), float(want[1]["loss"]), rtol=1e-3)
+
+
+def test_less_accurate_allows_a_few_more_worst_case_errors_not_more_error():
+    """The judge's rule on plain arrays: errors against the wider run, normalised per leaf."""
+    wide = {"w": jnp.linspace(-1.0, 1.0, 1000), "b": jnp.full((8,), 0.5), "n": jnp.arange(4)}
+    flip = jnp.zeros(1000).at[10].set(0.2)  # one large error (an Adam flip) in the original
+    ref = {"w": wide["w"] + flip, "b": wide["b"], "n": wide["n"]}
+    two_flips = {"w": wide["w"] + jnp.zeros(1000).at[20].set(0.2).at[30].set(0.2),
+                 "b": wide["b"].at[0].add(0.1), "n": wide["n"]}  # and one in a leaf with none
+    assert not first_step.less_accurate(ref, two_flips, wide, 1e-3)
+    many = {**ref, "w": wide["w"] + jnp.where(jnp.arange(1000) % 10 == 0, 0.2, 0.0)}
+    assert any("'w'" in b and "RMS" in b for b in first_step.less_accurate(ref, many, wide, 1e-3))
+    bigger = {**ref, "b": wide["b"].at[3].add(0.25)}  # 2.5x the original's worst (0.5 of 0.5)
+    assert any("'b'" in b and "largest anywhere" in b for b in first_step.less_accurate(ref, bigger, wide, 1e-3))
+    nan = {**ref, "w": ref["w"].at[0].set(jnp.nan)}
+    assert any("non-finite" in b for b in first_step.less_accurate(ref, nan, wide, 1e-3))
+    ints = {**ref, "n": wide["n"] + 1}
+    assert any("'n'" in b for b in first_step.less_accurate(ref, ints, wide, 1e-3))
