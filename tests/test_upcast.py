@@ -171,37 +171,35 @@ def _corrupt_gradients(module, options):
     return PassOutcome(changed=n > 0, stats={"corrupted": n}, tolerance=1e-3)
 
 
-def test_wider_judge_rejects_a_wrong_rewrite_that_declared_a_tolerance(monkeypatch):
+def _corrupted_first_call(monkeypatch, fp8_input: bool = False):
+    """The first call of ``_bf16_adam_step`` through the corrupting pass under "wider":
+    ``(the original's outputs, ours, the optimised step, our warnings)``."""
     monkeypatch.setitem(pipeline.PASSES, "corrupt", _corrupt_gradients)
-    step, ws, state, x = _bf16_adam_step()
+    step, ws, state, x = _bf16_adam_step(fp8_input)
     want = step(ws, state, x)
     opt = concerto_jax.optimize(step, concerto_jax.Options(
         passes=("corrupt", "schedule"), first_step_reference="wider"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = opt(ws, state, x)
+    return want, got, opt, [str(w.message) for w in caught if "concerto_jax" in str(w.message)]
+
+
+def test_wider_judge_rejects_a_wrong_rewrite_that_declared_a_tolerance(monkeypatch):
+    want, got, opt, ours = _corrupted_first_call(monkeypatch)
     assert not first_step.differences(want, got)  # the original's outputs came back
     report = opt.report()
     assert not report.optimized and report.first_step_check.startswith("ran: DIFFERED")
     assert "less accurate than the original against the step in wider precision" in \
         report.first_step_check, report.first_step_check
-    ours = [str(w.message) for w in caught if "concerto_jax" in str(w.message)]
     assert len(ours) == 1 and "['corrupt'] that reassociate sums are left out" in ours[0]
 
 
 def test_a_step_without_a_wider_twin_keeps_the_plain_verdict(monkeypatch):
     """fp8 values in the module: no twin (UpcastError), so the plain check's verdict stands:
     the original's outputs, the pass left out, the reason in the one warning."""
-    monkeypatch.setitem(pipeline.PASSES, "corrupt", _corrupt_gradients)
-    step, ws, state, x = _bf16_adam_step(fp8_input=True)
-    want = step(ws, state, x)
-    opt = concerto_jax.optimize(step, concerto_jax.Options(
-        passes=("corrupt", "schedule"), first_step_reference="wider"))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        got = opt(ws, state, x)
+    want, got, _, ours = _corrupted_first_call(monkeypatch, fp8_input=True)
     assert not first_step.differences(want, got)
-    ours = [str(w.message) for w in caught if "concerto_jax" in str(w.message)]
     assert len(ours) == 1 and "could not run in wider precision (UpcastError" in ours[0], ours
     assert "['corrupt'] that reassociate sums are left out" in ours[0]
 
