@@ -100,6 +100,50 @@ def _wide_reduce(inst: Instruction, plan: SplitPlan) -> bool:
             and inst.shape.is_array)
 
 
+KEEP_AXIS_MIN_FACTOR = 8
+"""A partial reduce keeps the split axis in its chunks only where each chunk's kept partial
+is at least this many times smaller than the chunk's operand (``_kept_axis``)."""
+
+
+def _kept_axis(inst: Instruction, plan: SplitPlan, n: int, wide: bool):
+    """How a partial reduce's chunks keep the split axis, or None where they do not.
+
+    A reduce over the split axis *and* other axes (a norm's weight gradient: the sum of
+    ``dy * x_hat`` over batch and sequence, split along the batch) reduces, in each chunk,
+    over the other axes only; the chunks' partials (the split axis kept, at chunk size) are
+    combined and reduced over that axis once, after them. The per-chunk reduce then has
+    as many rows as the original's reduce had per batch row, and XLA's GPU pipeline fuses
+    it with its elementwise siblings as it does the original's (a chunk reducing all of
+    its 4,096 rows falls under XLA's tree-reduction bound and materialises its f32 input
+    instead; WORKSPACE_NOTES session 16). Single-input reduces only; a half-precision one
+    only where its chunks sum in f32 (``wide``: the kept partials would round once per
+    row otherwise).
+
+    Returns ``(dimensions of a chunk's reduce, a chunk's output dims, the split axis's
+    position in them)``.
+    """
+    if inst.opcode != "reduce" or plan.partial is None or len(inst.operands) != 2 \
+            or not inst.shape.is_array or (inst.shape.dtype in _WIDE and not wide):
+        return None
+    d = plan.operand_dims[0]
+    dims = _attrs.parse_int_list(inst.attrs.get("dimensions", "{}"))
+    if d is None or d not in dims or len(dims) < 2:
+        return None
+    src = inst.operands[0].shape.dims
+    reduced = [x for x in dims if x != d]
+    kept = [i for i in range(len(src)) if i not in reduced]
+    out = [src[i] // n if i == d else src[i] for i in kept]
+    chunk_in = 1
+    for i, size in enumerate(src):
+        chunk_in *= size // n if i == d else size
+    kept_elems = 1
+    for size in out:
+        kept_elems *= size
+    if kept_elems * KEEP_AXIS_MIN_FACTOR > chunk_in:
+        return None
+    return reduced, out, kept.index(d)
+
+
 def _wide_adder(module, dtype: str):
     """The module's scalar ``dtype`` add computation (created once)."""
     from hlo_passes.computation import Computation
@@ -213,7 +257,7 @@ def split_instructions(comp, plans: dict[Instruction, SplitPlan], n: int,
                        next_channel_id: Callable[[], int], isolate: bool = False,
                        wide_partials: bool = False,
                        presplit: dict[Instruction, tuple[int, list[Instruction]]] | None = None,
-                       ) -> SplitResult:
+                       keep_axis: bool = False) -> SplitResult:
     """Replace the planned instructions of ``comp`` by ``n`` chunks each (see the module docstring).
 
     Args:
@@ -236,6 +280,8 @@ def split_instructions(comp, plans: dict[Instruction, SplitPlan], n: int,
         operand converted, a scalar f32 add computation) and rounds once after the chunks
         are added; otherwise each chunk rounds to the reduce's type before the addition.
         Half-precision partial dots always accumulate in f32.
+      keep_axis: a partial reduce over the split axis and others reduces each chunk over
+        the others only and the combined chunks over the split axis once (``_kept_axis``).
       presplit: outside operand -> (dimension, its ``n`` chunks, already in ``comp``): chunk
         ``k`` reads chunk ``k`` where it would read the ``k``-th slice along that
         dimension (a loop-carried value kept in chunks, ``split_while_body``); no barrier.
@@ -380,6 +426,10 @@ def split_instructions(comp, plans: dict[Instruction, SplitPlan], n: int,
                                inst) for o in ops]
                     attrs["to_apply"] = _wide_adder(module, wide)
                     shape = Shape(wide, list(inst.shape.dims), inst.shape.layout)
+            kept = keep_axis and _kept_axis(inst, plan, n, wide_partials)
+            if kept:
+                attrs["dimensions"] = _attrs.format_int_list(kept[0])
+                shape = Shape(shape.dtype, kept[1], ",".join(map(str, reversed(range(len(kept[1]))))))
             if isolate and k and inst.opcode in COLLECTIVE_KINDS and ops \
                     and not _reassociable(inst):
                 ops[0] = after(made[-1], ops[0], inst)
@@ -394,6 +444,15 @@ def split_instructions(comp, plans: dict[Instruction, SplitPlan], n: int,
             for k in range(1, n):
                 acc = add(Instruction(f"{inst.name}.psum{k}", plan.partial, acc.shape,
                                       [acc, made[k]], {}), inst)
+                sums.append(acc.name)
+            kept = keep_axis and _kept_axis(inst, plan, n, wide_partials)
+            if kept:  # the chunks' partials, combined, reduced over the split axis once
+                first = made[0]
+                acc = add(Instruction(
+                    f"{inst.name}.pkept", "reduce", Shape(acc.shape.dtype, list(inst.shape.dims),
+                                                          inst.shape.layout),
+                    [acc, first.operands[1]], {"dimensions": _attrs.format_int_list([kept[2]]),
+                                               "to_apply": first.attrs["to_apply"]}), inst)
                 sums.append(acc.name)
             if acc.shape.dtype != inst.shape.dtype:
                 acc = add(Instruction(f"{inst.name}.psum", "convert", inst.shape, [acc], {}), inst)
@@ -504,7 +563,8 @@ def _chunks_of(x: Instruction, d: int, n: int, comp, before: Instruction) -> lis
 
 def split_while_body(w: Instruction, plans: dict[Instruction, SplitPlan], n: int,
                      next_channel_id: Callable[[], int], isolate: bool = False,
-                     wide_partials: bool = False) -> tuple[SplitResult, dict[int, int]]:
+                     wide_partials: bool = False, keep_axis: bool = False,
+                     ) -> tuple[SplitResult, dict[int, int]]:
     """Split ``w``'s body by ``plans`` (``split_instructions``) and carry the loop state
     that splits with it in chunks (``carried_splits``).
 
@@ -543,7 +603,7 @@ def split_while_body(w: Instruction, plans: dict[Instruction, SplitPlan], n: int
         presplit[g] = (d, chunks)
         elements[idx] = shape
     res = split_instructions(body, plans, n, next_channel_id, isolate=isolate,
-                             wide_partials=wide_partials, presplit=presplit)
+                             wide_partials=wide_partials, presplit=presplit, keep_axis=keep_axis)
     if not carries:
         return res, carries
     ops, tail = list(root.operands), []

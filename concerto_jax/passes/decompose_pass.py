@@ -272,11 +272,13 @@ def _region_split(module, options, dopts: DecomposeOptions, cost_model) -> PassO
             if loop is not None:
                 res, carried = split_while_body(loop, region.plans, n, fresh,
                                                 isolate=dopts.isolate_chunks != "none",
-                                                wide_partials=dopts.wide_partials)
+                                                wide_partials=dopts.wide_partials,
+                                                keep_axis=dopts.partials_keep_axis)
             else:
                 res = split_instructions(comp, region.plans, n, fresh,
                                          isolate=dopts.isolate_chunks != "none",
-                                         wide_partials=dopts.wide_partials)
+                                         wide_partials=dopts.wide_partials,
+                                         keep_axis=dopts.partials_keep_axis)
         except HloError as err:
             dropped.append(f"region of {region.collective.name} in {comp.name}: {err}")
             continue
