@@ -104,20 +104,32 @@ KEEP_AXIS_MIN_FACTOR = 8
 """A partial reduce keeps the split axis in its chunks only where each chunk's kept partial
 is at least this many times smaller than the chunk's operand (``_kept_axis``)."""
 
+XLA_COLUMN_TREE_BOUND = 32 * 128
+"""Rows above which XLA's GPU pipeline rewrites a column reduction into a tree (a partial
+reduce to [rows / bound-ish, cols] fused with its elementwise siblings, then a small one):
+``ReductionDimensionRaceFreeBound`` for column reductions, warp size x 128 (XLA
+``service/gpu/reduction_utils.cc``, ``TreeReductionRewriter``). At or under it, a column
+reduce that shares its input with a row reduce (a norm's backward) makes XLA materialise
+that input in f32 instead."""
+
 
 def _kept_axis(inst: Instruction, plan: SplitPlan, n: int, wide: bool):
     """How a partial reduce's chunks keep the split axis, or None where they do not.
 
-    A reduce over the split axis *and* other axes (a norm's weight gradient: the sum of
-    ``dy * x_hat`` over batch and sequence, split along the batch) reduces, in each chunk,
-    over the other axes only; the chunks' partials (the split axis kept, at chunk size) are
-    combined and reduced over that axis once, after them. The per-chunk reduce then has
-    as many rows as the original's reduce had per batch row, and XLA's GPU pipeline fuses
-    it with its elementwise siblings as it does the original's (a chunk reducing all of
-    its 4,096 rows falls under XLA's tree-reduction bound and materialises its f32 input
-    instead; WORKSPACE_NOTES session 16). Single-input reduces only; a half-precision one
-    only where its chunks sum in f32 (``wide``: the kept partials would round once per
-    row otherwise).
+    The case: a column reduce over the split axis *and* other axes (a norm's weight
+    gradient: the sum of ``dy * x_hat`` over batch and sequence, split along the batch)
+    whose rows are above ``XLA_COLUMN_TREE_BOUND`` in the original and at or under it in a
+    chunk. XLA tree-rewrites the original and fuses its partial sums with the norm's dx;
+    a chunk falls under the bound and XLA materialises the f32 product for it instead
+    (held-out TP step, 8,192 -> 4,096 rows: +27 us of writes and a separate dx kernel per
+    norm and chunk; WORKSPACE_NOTES session 16). So each chunk reduces over the other axes
+    only (rows per batch entry, e.g. 1,024), which XLA fuses with dx; the chunks' partials
+    (the split axis kept, at chunk size) are combined and reduced over that axis once.
+    Where the chunks stay above the bound (XLA tree-rewrites them as it did the
+    original), the plain form is kept: the kept form measured slower there (GPT TP=8,
+    16,384 -> 8,192 rows). Single-input reduces whose operand's minor dimension is kept
+    (column reductions) only; a half-precision one only where its chunks sum in f32
+    (``wide``: the kept partials would round once per row otherwise).
 
     Returns ``(dimensions of a chunk's reduce, a chunk's output dims, the split axis's
     position in them)``.
@@ -129,7 +141,16 @@ def _kept_axis(inst: Instruction, plan: SplitPlan, n: int, wide: bool):
     dims = _attrs.parse_int_list(inst.attrs.get("dimensions", "{}"))
     if d is None or d not in dims or len(dims) < 2:
         return None
-    src = inst.operands[0].shape.dims
+    shape = inst.operands[0].shape
+    src = shape.dims
+    order = shape.minor_to_major or tuple(reversed(range(len(src))))
+    if not order or order[0] in dims:  # a row reduction (or a full one)
+        return None
+    rows = 1
+    for x in dims:
+        rows *= src[x]
+    if not rows // n <= XLA_COLUMN_TREE_BOUND < rows:
+        return None
     reduced = [x for x in dims if x != d]
     kept = [i for i in range(len(src)) if i not in reduced]
     out = [src[i] // n if i == d else src[i] for i in kept]

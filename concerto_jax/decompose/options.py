@@ -104,14 +104,14 @@ class DecomposeOptions:
     # cost: XLA no longer fuses those reductions with their siblings (gpt_tp8_nvlink, XLA's
     # final module: 8,379.0 -> 8,597.3 us). Off: each chunk rounds to bf16 before the add.
     wide_partials: bool = False
-    # A partial reduce over the split axis and other axes (a norm's weight gradient: a sum
-    # over batch and sequence, split along the batch) reduces each chunk over the other axes
-    # only, keeping the split axis, and the chunks' sum over the split axis once after them
-    # (hlo_passes.decompose_rewrite._kept_axis; f32 reduces, half-precision ones with
-    # wide_partials). A chunk that reduced all of its rows would fall under XLA's GPU
-    # tree-reduction bound (4,096 rows) and materialise its f32 input instead of fusing the
-    # reduce with dx. Held-out TP step: 7,985.7 -> 7,528.6 us of kernels, 1.203x -> 1.272x
-    # (WORKSPACE_NOTES session 16). Reassociates the same sums differently.
+    # A partial column reduce over the split axis and other axes (a norm's weight gradient:
+    # a sum over batch and sequence, split along the batch) whose chunks fall under XLA's GPU
+    # tree-reduction bound (4,096 rows) while the original does not: each chunk reduces over
+    # the other axes only, keeping the split axis, and the chunks' sum is reduced over it
+    # once (hlo_passes.decompose_rewrite._kept_axis; f32 reduces, half-precision ones with
+    # wide_partials). Otherwise XLA materialises such a chunk's f32 input instead of fusing
+    # the reduce with dx. Held-out TP step (8,192 -> 4,096 rows): 7,985.7 -> 7,528.6 us of
+    # kernels, 1.203x -> 1.272x (WORKSPACE_NOTES session 16). Reassociates the same sums.
     partials_keep_axis: bool = True
     # After a while body's region split, rotate the loop around one of the body's
     # collectives (hlo_passes.pipelining.rotate_loop: the last chunk's final collective of
