@@ -1,0 +1,129 @@
+"""Do the gains hold under another cost model? Stock vs ours, XLA's final modules, re-judged.
+
+Every speed figure of this project is XLA's final module simulated by our cost model
+(``fidelity.judge_module``). The plan, the region split, the rewrite guard and the
+combine-threshold search were all chosen under that same model, so a gain could be an
+artefact of it. Here both final modules of the held-out step (``bench.heldout_target``,
+compiled once per layout by ``compile_for_target`` at the defaults) are judged again under
+cost models whose configured figures are moved well past their uncertainty: link
+bandwidth efficiency 0.8 -> 0.48 / 1.0, ring-only collectives, tensor-core efficiency
+0.7 -> 0.5 / 0.9, kernel launch overhead 2 -> 6 us, overlap slowdown 1.1 -> 1.0 / 1.3.
+Nothing is re-planned: the modules are fixed, only the judge changes (what an independent
+simulator with other figures would see).
+
+Command line::
+
+    python -m bench.sensitivity [--layout NAME ...] [--layers 4] [--out bench/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import math
+import os
+import sys
+import time
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LAYOUTS = ("tp", "dp_tp", "fsdp", "tp_pcie")
+
+
+def variants() -> dict:
+    """Name -> ``CostOptions`` of each judge (``nominal`` first: the one every bench uses)."""
+    from concerto_jax.costmodel.collectives import CollectiveOptions
+    from concerto_jax.costmodel.compute import ComputeOptions
+    from concerto_jax.costmodel.model import CostOptions
+
+    return {
+        "nominal": CostOptions(),
+        "link_x0.6": CostOptions(collectives=CollectiveOptions(link_efficiency=0.48)),
+        "link_x1.25": CostOptions(collectives=CollectiveOptions(link_efficiency=1.0)),
+        "ring_only": CostOptions(collectives=CollectiveOptions(algorithm="ring")),
+        "matmul_0.5": CostOptions(compute=ComputeOptions(matmul_efficiency=0.5)),
+        "matmul_0.9": CostOptions(compute=ComputeOptions(matmul_efficiency=0.9)),
+        "launch_6us": CostOptions(compute=ComputeOptions(launch_overhead_us=6.0)),
+        "slowdown_1.0": CostOptions(overlap_slowdown=1.0),
+        "slowdown_1.3": CostOptions(overlap_slowdown=1.3),
+    }
+
+
+def judge_both(stock_text: str, ours_text: str, cluster: str) -> dict[str, float]:
+    """Variant -> stock µs / ours µs under that judge."""
+    from concerto_jax.costmodel import CostModel, get_cluster
+    from concerto_jax.target.fidelity import judge_module
+
+    out = {}
+    for name, opts in variants().items():
+        cm = CostModel(get_cluster(cluster), opts)
+        out[name] = round(judge_module(stock_text, cm).us / judge_module(ours_text, cm).us, 4)
+    return out
+
+
+def run_layout(layout: str, layers: int) -> dict:
+    import concerto_jax
+    from bench.heldout_target import build
+
+    t0 = time.perf_counter()
+    step, params, opt_state, data, cluster = build(layout, layers)
+    res = concerto_jax.compile_for_target(step, params, opt_state, data, target=cluster,
+                                          options=concerto_jax.Options(passes=("decompose", "schedule"),
+                                                                       target=cluster))
+    gains = judge_both(res.stock_final_text, res.final_text, cluster)
+    row = {"layout": layout, "cluster": cluster, "via": res.via, **gains}
+    row["lowest"] = min(gains.values())
+    row["wall_s"] = round(time.perf_counter() - t0, 1)
+    return row
+
+
+def write(rows: list[dict], out: str, command: str, elapsed: float) -> None:
+    cols = ["layout", "cluster", "via", *variants(), "lowest", "wall_s"]
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "sensitivity.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    lines = ["# Gains under other cost models (held-out step, XLA's final modules re-judged)\n",
+             f"Command: `{command}` ({elapsed:.0f} s wall). "
+             + (__doc__ or "").split("\n\n")[1].replace("\n", " ") + "\n",
+             "Each cell: stock µs / ours µs under that judge.\n",
+             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
+    for v in variants():
+        g = [r[v] for r in rows if isinstance(r.get(v), float)]
+        if g:
+            lines.append(f"- {v}: geomean {math.exp(sum(map(math.log, g)) / len(g)):.4f}, lowest {min(g):.4f}")
+    with open(os.path.join(out, "sensitivity.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    from bench.heldout_target import LAYOUTS
+
+    parser = argparse.ArgumentParser(prog="python -m bench.sensitivity", description=__doc__.splitlines()[0])
+    parser.add_argument("--layout", action="append", choices=sorted(LAYOUTS))
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--out", default="bench/results")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    command = "python -m bench.sensitivity " + " ".join(argv if argv is not None else sys.argv[1:])
+    rows, t0 = [], time.perf_counter()
+    for layout in args.layout or DEFAULT_LAYOUTS:
+        try:
+            rows.append(run_layout(layout, args.layers))
+        except Exception as e:  # noqa: BLE001 - one broken layout must not lose the others
+            log.exception("%s failed", layout)
+            rows.append({"layout": layout, "via": f"error: {type(e).__name__}: {str(e)[:160]}"})
+        log.info("sensitivity %s: %s", layout, rows[-1])
+        write(rows, args.out, command.strip(), time.perf_counter() - t0)
+    with open(os.path.join(args.out, "sensitivity.md")) as f:
+        sys.stdout.write(f.read())
+    return 0 if all("error" not in str(r.get("via")) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
