@@ -669,3 +669,42 @@ ENTRY %main (x: f32[8,1024,64], y: bf16[8,1024,64], z: f32[16,1024,64], u: f32[8
     # split along the reduced axis 1 instead: chunks [8,512,64] reduce axis 0, keep [512, 64]
     assert _kept_axis(entry.instruction("norm"), SplitPlan(0, (1, None), partial="add"), 2, False) \
         == ([0], [512, 64], 0)
+
+
+def test_half_precision_kept_axis_sums_in_f32_and_rounds_once():
+    """A bf16 norm-gradient reduce with ``wide_partials`` and ``keep_axis``: f32 chunks
+    ([4,16], the split axis kept), an f32 reduce over it, one convert to bf16; the result is
+    within one bf16 rounding of the same sum taken in f32 (XLA:CPU's own bf16 reduce is not:
+    it accumulates in bf16)."""
+    bf16 = (_NORM_TEXT
+            .replace("%p = f32[8,1024,16]{2,1,0} multiply(%y, %x)",
+                     "%pf = f32[8,1024,16]{2,1,0} multiply(%y, %x)\n  %p = bf16[8,1024,16]{2,1,0} convert(%pf)")
+            .replace("%gn = f32[16]{0} reduce(%p, %zero), dimensions={0,1}, to_apply=%sum",
+                     "%zh = bf16[] constant(0)\n  %gn = bf16[16]{0} reduce(%p, %zh), dimensions={0,1}, to_apply=%sumh")
+            .replace("ENTRY %main", "%sumh (c2: bf16[], d2: bf16[]) -> bf16[] {\n  %c2 = bf16[] parameter(0)\n"
+                     "  %d2 = bf16[] parameter(1)\n  ROOT %e2 = bf16[] add(%c2, %d2)\n}\n\nENTRY %main")
+            .replace("-> (f32[16], f32[16,16]", "-> (bf16[16], f32[16,16]")
+            .replace("ROOT %out = (f32[16]{0}, f32[16,16]", "ROOT %out = (bf16[16]{0}, f32[16,16]"))
+    # the reference: the bf16 product summed in f32, rounded to bf16 once
+    f32_sum = bf16.replace(
+        "%zh = bf16[] constant(0)\n  %gn = bf16[16]{0} reduce(%p, %zh), dimensions={0,1}, to_apply=%sumh",
+        "%p32 = f32[8,1024,16]{2,1,0} convert(%p)\n  %gn32 = f32[16]{0} reduce(%p32, %zero), dimensions={0,1}, "
+        "to_apply=%sum\n  %gn = bf16[16]{0} convert(%gn32)")
+    module = hlo_passes.parse_module(bf16)
+    region = build_region(module.entry.instruction("ar"), 0)
+    ids = iter(range(max_channel_id(module) + 1, 100))
+    res = split_instructions(module.entry, region.plans, 2, lambda: next(ids), isolate=True,
+                             wide_partials=True, keep_axis=True)
+    hlo_passes.verify(module)
+    text = hlo_passes.module_to_text(module)
+    hlo_passes.xla_parse(text)
+    gn0 = module.entry.instruction(res.chunks["gn"][0])
+    assert str(gn0.shape) == "f32[4,16]{1,0}" and gn0.to_apply.name == "concerto_add_f32"
+    out = module.entry.root.operands[0]
+    assert out.opcode == "convert" and out.operands[0].opcode == "reduce" and out.shape.dtype == "bf16"
+    inputs = _inputs(hlo_passes.parse_module(bf16))
+    got, ref = _run(text, inputs), _run(f32_sum, inputs)
+    for g, r in zip(got[:8], ref[:8], strict=True):  # output 0 (gn) on each device
+        g, r = g.astype(np.float64), r.astype(np.float64)
+        ulp = np.float64(2.0) ** (np.floor(np.log2(np.abs(r) + 1e-30)) - 7)
+        assert np.all(np.abs(g - r) <= ulp), (g, r)
