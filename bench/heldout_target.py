@@ -218,6 +218,22 @@ def write(rows: list[dict], out: str, command: str, elapsed: float) -> None:
         f.write("\n".join(lines) + "\n")
 
 
+def run_layouts(layouts, run_one, write_rows, label: str, error_key: str = "status") -> list[dict]:
+    """``run_one(layout)`` for each layout, keeping going when one fails (its row: the layout
+    and ``error_key = "error: ..."``); ``write_rows(rows, elapsed_s)`` after each, so that a
+    long run leaves its finished rows behind."""
+    rows, t0 = [], time.perf_counter()
+    for layout in layouts:
+        try:
+            rows.append(run_one(layout))
+        except Exception as e:  # noqa: BLE001 - one broken layout must not lose the others
+            log.exception("%s failed", layout)
+            rows.append({"layout": layout, error_key: f"error: {type(e).__name__}: {str(e)[:160]}"})
+        log.info("%s %s: %s", label, layout, rows[-1])
+        write_rows(rows, time.perf_counter() - t0)
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.heldout_target", description=__doc__.splitlines()[0])
     parser.add_argument("--layout", action="append", choices=sorted(LAYOUTS))
@@ -228,15 +244,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     command = "python -m bench.heldout_target " + " ".join(argv if argv is not None else sys.argv[1:])
-    rows, t0 = [], time.perf_counter()
-    for layout in args.layout or LAYOUTS:
-        try:
-            rows.append(run_layout(layout, args.layers))
-        except Exception as e:  # noqa: BLE001 - one broken layout must not lose the others
-            log.exception("%s failed", layout)
-            rows.append({"layout": layout, "status": f"error: {type(e).__name__}: {str(e)[:160]}"})
-        log.info("heldout %s: %s", layout, rows[-1])
-        write(rows, args.out, command.strip(), time.perf_counter() - t0)
+    rows = run_layouts(args.layout or LAYOUTS, lambda layout: run_layout(layout, args.layers),
+                       lambda rows, elapsed: write(rows, args.out, command.strip(), elapsed), "heldout")
     with open(os.path.join(args.out, "heldout_target.md")) as f:
         sys.stdout.write(f.read())
     return 0 if all(r.get("status") == "ok" for r in rows) else 1

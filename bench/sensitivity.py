@@ -100,7 +100,7 @@ def write(rows: list[dict], out: str, command: str, elapsed: float) -> None:
 
 
 def main(argv=None) -> int:
-    from bench.heldout_target import LAYOUTS
+    from bench.heldout_target import LAYOUTS, run_layouts
 
     parser = argparse.ArgumentParser(prog="python -m bench.sensitivity", description=__doc__.splitlines()[0])
     parser.add_argument("--layout", action="append", choices=sorted(LAYOUTS))
@@ -111,15 +111,9 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     command = "python -m bench.sensitivity " + " ".join(argv if argv is not None else sys.argv[1:])
-    rows, t0 = [], time.perf_counter()
-    for layout in args.layout or DEFAULT_LAYOUTS:
-        try:
-            rows.append(run_layout(layout, args.layers))
-        except Exception as e:  # noqa: BLE001 - one broken layout must not lose the others
-            log.exception("%s failed", layout)
-            rows.append({"layout": layout, "via": f"error: {type(e).__name__}: {str(e)[:160]}"})
-        log.info("sensitivity %s: %s", layout, rows[-1])
-        write(rows, args.out, command.strip(), time.perf_counter() - t0)
+    rows = run_layouts(args.layout or DEFAULT_LAYOUTS, lambda layout: run_layout(layout, args.layers),
+                       lambda rows, elapsed: write(rows, args.out, command.strip(), elapsed),
+                       "sensitivity", error_key="via")
     with open(os.path.join(args.out, "sensitivity.md")) as f:
         sys.stdout.write(f.read())
     return 0 if all("error" not in str(r.get("via")) for r in rows) else 1

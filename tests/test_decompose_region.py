@@ -25,7 +25,7 @@ from concerto_jax.target import gpu_plugin_available
 from concerto_jax.target.program import compile_replicated_for_target
 from hlo_passes.decompose_rewrite import max_channel_id, split_instructions
 from tests.test_decompose_heldout import optimised_three_steps
-from tests.test_decompose_rules import _inputs, _run
+from tests.test_decompose_rules import _inputs, _module, _run
 
 _TEXT = """HloModule m, replica_count=8
 
@@ -553,22 +553,7 @@ def test_region_score_counts_an_all_reduce_xla_makes_a_reduce_scatter_as_one():
     assert reduce_scatter_slice(ar, [[0]]) is None
 
 
-_NORM_TEXT = """HloModule m, replica_count=8
-
-%sum (a: f32[], b: f32[]) -> f32[] {
-  %a = f32[] parameter(0)
-  %b = f32[] parameter(1)
-  ROOT %s = f32[] add(%a, %b)
-}
-
-%max (c: f32[], d: f32[]) -> f32[] {
-  %c = f32[] parameter(0)
-  %d = f32[] parameter(1)
-  ROOT %m = f32[] maximum(%c, %d)
-}
-
-ENTRY %main (x: f32[8,1024,16], w: f32[16,16]) -> (f32[16], f32[16,16], f32[16], f32[]) {
-  %x = f32[8,1024,16]{2,1,0} parameter(0)
+_NORM_TEXT = _module("x: f32[8,1024,16], w: f32[16,16]", """  %x = f32[8,1024,16]{2,1,0} parameter(0)
   %w = f32[16,16]{1,0} parameter(1)
   %h = f32[8,1024,16]{2,1,0} dot(%x, %w), lhs_contracting_dims={2}, rhs_contracting_dims={0}
   %ar = f32[8,1024,16]{2,1,0} all-reduce(%h), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%sum
@@ -580,9 +565,8 @@ ENTRY %main (x: f32[8,1024,16], w: f32[16,16]) -> (f32[16], f32[16,16], f32[16],
   %ninf = f32[] constant(-inf)
   %gm = f32[16]{0} reduce(%y, %ninf), dimensions={0,1}, to_apply=%max
   %mx = f32[] reduce(%y, %ninf), dimensions={0,1,2}, to_apply=%max
-  ROOT %out = (f32[16]{0}, f32[16,16]{1,0}, f32[16]{0}, f32[]) tuple(%gn, %gw, %gm, %mx)
-}
-"""
+  ROOT %out = (f32[16]{0}, f32[16,16]{1,0}, f32[16]{0}, f32[]) tuple(%gn, %gw, %gm, %mx)""",
+                     "(f32[16], f32[16,16], f32[16], f32[])")
 
 
 @pytest.mark.parametrize("keep_axis", [False, True])

@@ -511,11 +511,12 @@ def _without_split(pre_opts, post_spmd: str, devices, options, cost_model, budge
 
     opts = dataclasses.replace(pre_opts, decompose=dataclasses.replace(pre_opts.decompose, split=False))
     pre = pipeline.run(post_spmd, opts)
-    src, copts = scheduled_at_program(pre.text)(dict(options.compiler_options))
+    at = scheduled_at_program(pre.text)
+    src, copts = at(dict(options.compiler_options))
     plan = _plan_on(src, options, cost_model, {}, budget)
     record = None
     if tuned is not None:
-        plan, src, copts, record = tuned(scheduled_at_program(pre.text), plan, src, copts)
+        plan, src, copts, record = tuned(at, plan, src, copts)
     log.info("compile_for_target: the rewrite without the split plans %.1f us", plan["judged"].us)
     return {"plan": plan, "src": src, "copts": copts, "record": record, "passes": list(pre.passes)}
 
