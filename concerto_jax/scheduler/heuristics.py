@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from concerto_jax.scheduler.evaluate import tails
+from concerto_jax.scheduler.evaluate import simulate, tails
 from concerto_jax.taskgraph import Event, Phase, TaskGraph
 
 
@@ -281,8 +281,6 @@ def justified_schedule(
     project scheduling", EJOR 56 (1992); Valls, Ballestín and Quintanilla, "Justification
     and RCPSP: a technique that pays", EJOR 165 (2005).
     """
-    from concerto_jax.scheduler.evaluate import simulate
-
     backward = TaskGraph(graph.tasks, graph.succs)
     # latest-ending first; ties: latest-starting first
     rev = list_schedule(backward, priority=[e + 1e-6 * s for s, e in zip(start_us, end_us, strict=True)])

@@ -336,6 +336,7 @@ searched plan is kept (``_backend_only``; evoformer_dap8: dropped by 0.3 % at th
 at XLA's default thresholds, where its combiners merged collectives of different chunks,
 5 % faster than the original after both searches)."""
 
+
 def search_original_too(rewritten_us: float, plain_us: float, searched_rewritten_us: float) -> bool:
     """Whether the rewrite guard also searches the original program's combine thresholds after
     the rewrite won at the given ones (by more than ``GUARD_RETUNE_MARGIN``): yes where the
