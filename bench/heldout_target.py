@@ -157,17 +157,25 @@ def build(layout: str, layers: int):
     return step, params, opt_state, data, cluster
 
 
-def run_layout(layout: str, layers: int) -> dict:
-    """One layout through ``compile_for_target`` at the defaults; a row of ``COLUMNS``."""
+def compile_layout(layout: str, layers: int):
+    """``(TargetResult, cluster)``: one layout through ``compile_for_target`` at the defaults
+    (``passes=("decompose", "schedule")``, nothing else set)."""
     import concerto_jax
-    from concerto_jax.costmodel import CostModel, get_cluster
-    from concerto_jax.target.fidelity import judge_module
 
-    t0 = time.perf_counter()
     step, params, opt_state, data, cluster = build(layout, layers)
     res = concerto_jax.compile_for_target(step, params, opt_state, data, target=cluster,
                                           options=concerto_jax.Options(passes=("decompose", "schedule"),
                                                                        target=cluster))
+    return res, cluster
+
+
+def run_layout(layout: str, layers: int) -> dict:
+    """One layout through ``compile_for_target`` at the defaults; a row of ``COLUMNS``."""
+    from concerto_jax.costmodel import CostModel, get_cluster
+    from concerto_jax.target.fidelity import judge_module
+
+    t0 = time.perf_counter()
+    res, cluster = compile_layout(layout, layers)
     cm = CostModel(get_cluster(cluster))
     stock, ours = judge_module(res.stock_final_text, cm), judge_module(res.final_text, cm)
     dec = next((p for p in res.passes if p.name == "decompose"), None)

@@ -63,14 +63,10 @@ def judge_both(stock_text: str, ours_text: str, cluster: str) -> dict[str, float
 
 
 def run_layout(layout: str, layers: int) -> dict:
-    import concerto_jax
-    from bench.heldout_target import build
+    from bench.heldout_target import compile_layout
 
     t0 = time.perf_counter()
-    step, params, opt_state, data, cluster = build(layout, layers)
-    res = concerto_jax.compile_for_target(step, params, opt_state, data, target=cluster,
-                                          options=concerto_jax.Options(passes=("decompose", "schedule"),
-                                                                       target=cluster))
+    res, cluster = compile_layout(layout, layers)
     gains = judge_both(res.stock_final_text, res.final_text, cluster)
     row = {"layout": layout, "cluster": cluster, "via": res.via, **gains}
     row["lowest"] = min(gains.values())

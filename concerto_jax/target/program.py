@@ -443,47 +443,34 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
         guard = {"rewritten_planned_us": round(rewritten_us, 1), "without_rewrite_planned_us": round(plain_us, 1),
                  "kept": keep}
         seconds["rewrite_guard"] = time.perf_counter() - t0
-        if tune and (not keep or abs(rewritten_us - plain_us) <= plain_us * GUARD_RETUNE_MARGIN):
-            # Lost or a near tie at the given thresholds: the combine thresholds can decide it
-            # (a split program's best thresholds differ from the original's; at XLA's default
-            # ones its combiners can merge collectives of different chunks, which are
-            # independent, and the split then overlaps little), so both are searched and the
-            # faster searched plan is kept.
+        if tune:
+            # The combine thresholds can decide what the given ones do not. Where the rewrite
+            # lost or nearly tied there (a split program's best thresholds differ from the
+            # original's; at XLA's default ones its combiners can merge collectives of
+            # different chunks, which are independent, and the split then overlaps little),
+            # both are searched and the faster searched plan is kept. Where it won by more
+            # than the margin, its own search runs here (it would run below anyway); if that
+            # search moves its plan by more than its lead, the original's search can move the
+            # original as far and the lead says nothing, so the original is searched too
+            # (gpt_zero3_16: the split led by 2.3 % at XLA's thresholds and its search gained
+            # 18 %; the original's search gained 27 % and beat it by 10 %).
             t0 = time.perf_counter()
+            near_tie = not keep or abs(rewritten_us - plain_us) <= plain_us * GUARD_RETUNE_MARGIN
             a = tuned(scheduled_at_rewritten, plan, scheduled_src, compile_options)
-            b = tuned(scheduled_at_step, plain, stock_src, stock_compile_options)
-            seconds["combine_thresholds"] = time.perf_counter() - t0
-            keep = a[0]["judged"].us < b[0]["judged"].us
-            guard.update(kept=keep, after_combine_thresholds={
-                "rewritten_planned_us": round(a[0]["judged"].us, 1),
-                "without_rewrite_planned_us": round(b[0]["judged"].us, 1)})
-            plan, scheduled_src, compile_options, tuned_record = a if keep else b
-            log.info("compile_for_target: near tie, both combine-threshold searches: the rewrite "
-                     "(%s) plans %.1f us, the original %.1f us", ",".join(rewriting),
-                     a[0]["judged"].us, b[0]["judged"].us)
-        elif tune and keep:
-            # Won by more than the margin at the given thresholds. Its own search runs here (it
-            # would run below anyway); where that search moves its plan by more than its lead,
-            # the original's search can move the original as far, and the lead says nothing:
-            # the original is searched too and the faster searched plan is kept (gpt_zero3_16:
-            # the split led by 2.3 % at XLA's thresholds and its search gained 18 %; the
-            # original's search gained 27 % and beat it by 10 %).
-            t0 = time.perf_counter()
-            a = tuned(scheduled_at_rewritten, plan, scheduled_src, compile_options)
-            moved = rewritten_us - a[0]["judged"].us
-            guard["rewrite_search_moved_us"] = round(moved, 1)
-            if search_original_too(rewritten_us, plain_us, a[0]["judged"].us):
+            if not near_tie:
+                guard["rewrite_search_moved_us"] = round(rewritten_us - a[0]["judged"].us, 1)
+            if near_tie or search_original_too(rewritten_us, plain_us, a[0]["judged"].us):
                 b = tuned(scheduled_at_step, plain, stock_src, stock_compile_options)
                 keep = a[0]["judged"].us < b[0]["judged"].us
                 guard.update(kept=keep, after_combine_thresholds={
                     "rewritten_planned_us": round(a[0]["judged"].us, 1),
                     "without_rewrite_planned_us": round(b[0]["judged"].us, 1)})
-                plan, scheduled_src, compile_options, tuned_record = a if keep else b
-                log.info("compile_for_target: the rewrite's threshold search moved it %.1f us, more "
-                         "than its lead; both searched: the rewrite (%s) plans %.1f us, the original "
-                         "%.1f us", moved, ",".join(rewriting), a[0]["judged"].us, b[0]["judged"].us)
-            else:
-                plan, scheduled_src, compile_options, tuned_record = a
+                log.info("compile_for_target: %s, both combine-threshold searches: the rewrite "
+                         "(%s) plans %.1f us, the original %.1f us",
+                         "near tie" if near_tie else "the rewrite's search outran its lead",
+                         ",".join(rewriting), a[0]["judged"].us, b[0]["judged"].us)
+                a = a if keep else b
+            plan, scheduled_src, compile_options, tuned_record = a
             seconds["combine_thresholds"] = time.perf_counter() - t0
         records = [dataclasses.replace(r, stats={**r.stats, "final_module_guard": guard},
                                        changed=r.changed and keep) if r.name in rewriting else r
