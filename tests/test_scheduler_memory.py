@@ -83,6 +83,48 @@ def test_schedule_without_input_falls_back_within_limit():
     check_events(g, res.events, memory_limit_bytes=limit)
 
 
+
+def test_list_schedule_over_the_limit_by_its_guide_is_rerun_within_it():
+    """The list scheduler's memory rule is a guide: on this training-step graph a list schedule
+    made at the input order's peak peaks 2 MiB over it on the timeline; ``schedule`` used to
+    reject every list candidate and keep the input order. Lowering the guide by the overshoot
+    (``list_schedule_within``) gives a list schedule within the limit."""
+    from bench.scheduler_scaling import training_step_graph
+    from concerto_jax.scheduler.schedule import list_schedule_within
+
+    g = training_step_graph(100, seed=0)
+    initial = g.synchronous_schedule()
+    limit = _peak(g, initial)
+    at_limit = list_schedule(g, memory_limit_bytes=limit)
+    assert _peak(g, at_limit) > limit  # the premise: the guide alone overshoots here
+    events, tl, tries = list_schedule_within(
+        g, lambda guide: list_schedule(g, memory_limit_bytes=guide), limit)
+    assert tries >= 1
+    check_events(g, events, memory_limit_bytes=limit)
+    assert tl.makespan < evaluate(g, initial)
+    opts = ScheduleOptions(full_model_max_tasks=0, odd_even=None)  # limit: the input order's peak
+    res = schedule(g, opts, initial=initial)
+    check_events(g, res.events, memory_limit_bytes=limit)
+    assert res.source != "input" and res.stats["memory_guide_retries"]["heuristic"] >= 1
+    assert res.makespan_us <= tl.makespan + 1e-9 < evaluate(g, initial)
+
+
+def test_list_schedule_within_returns_the_lowest_peak_when_nothing_fits():
+    from concerto_jax.scheduler.schedule import list_schedule_within
+
+    g = prefetch_graph(layers=4, gather_bytes=1000)
+    peaks = []
+
+    def make(guide):
+        events = list_schedule(g, memory_limit_bytes=guide)
+        peaks.append(_peak(g, events))
+        return events
+
+    floor = _peak(g, list_schedule(g, memory_limit_bytes=1))  # the least the heuristic reaches
+    events, _, tries = list_schedule_within(g, make, limit=floor - 1)
+    assert tries >= 1 and len(peaks) == tries + 1
+    assert _peak(g, events) == min(peaks) > floor - 1  # over the limit: the caller rejects it
+
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), n=st.integers(2, 30), frac=st.floats(0.3, 1.0))
 def test_schedule_memory_property(seed, n, frac):
@@ -189,7 +231,9 @@ def test_cp_sat_horizon_comes_from_an_order_within_the_limit(caplog):
     live: over the limit); the only orders within it run the chains one after the other
     (120 µs). CP-SAT's horizon and hint come from the best order within the limit (here the
     input): from the list schedule's 70 µs CP-SAT proved every order "infeasible" and
-    schedule() logged a failed solve (found on a conditional branch through compile_for_target)."""
+    schedule() logged a failed solve (found on a conditional branch through compile_for_target).
+    Since ``list_schedule_within`` the list schedules are rerun with a lower guide and come
+    within the limit themselves; the horizon is still that of an order within it."""
     import logging
 
     info = CollectiveInfo("all-gather", 100, 8, ("g",))
@@ -202,7 +246,9 @@ def test_cp_sat_horizon_comes_from_an_order_within_the_limit(caplog):
     with caplog.at_level(logging.INFO, logger="concerto_jax.scheduler"):
         res = schedule(g, dataclasses.replace(FAST, memory_limit_ratio=1.0, full_model_max_tasks=100),
                        initial=order)
-    assert res.stats["heuristic_peak_bytes"] > res.memory_limit_bytes == _peak(g, order)
+    limit = _peak(g, order)
+    assert _peak(g, list_schedule(g, memory_limit_bytes=limit)) > limit  # the guide alone overshoots
+    assert res.memory_limit_bytes == limit
     assert res.stats["cp_status"] == "OPTIMAL" and res.stats["cp_makespan_us"] == pytest.approx(120.0)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     assert res.peak_memory_bytes <= res.memory_limit_bytes

@@ -46,7 +46,12 @@ from concerto_jax.scheduler.rcpsp import (
     SolverParams,
     solve_rcpsp,
 )
-from concerto_jax.scheduler.schedule import ScheduleOptions, ScheduleResult, schedule
+from concerto_jax.scheduler.schedule import (
+    ScheduleOptions,
+    ScheduleResult,
+    list_schedule_within,
+    schedule,
+)
 
 __all__ = [
     "CostFn",
@@ -73,6 +78,7 @@ __all__ = [
     "decode",
     "evaluate",
     "list_schedule",
+    "list_schedule_within",
     "load_optima",
     "load_psplib",
     "lower_bound",

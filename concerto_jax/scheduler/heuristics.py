@@ -281,10 +281,16 @@ def justified_schedule(
     project scheduling", EJOR 56 (1992); Valls, Ballestín and Quintanilla, "Justification
     and RCPSP: a technique that pays", EJOR 165 (2005).
     """
+    prio = justification_priority(graph, start_us, end_us)
+    return [list_schedule(graph, priority=prio, memory_limit_bytes=memory_limit_bytes, feed_streams=f)
+            for f in (False, True)]
+
+
+def justification_priority(graph: TaskGraph, start_us: Sequence[float], end_us: Sequence[float]) -> list[float]:
+    """The forward priorities of ``justified_schedule``: per task, its end time in the
+    backward list schedule of the reversed graph (the task that ends last in the given
+    schedule first)."""
     backward = TaskGraph(graph.tasks, graph.succs)
     # latest-ending first; ties: latest-starting first
     rev = list_schedule(backward, priority=[e + 1e-6 * s for s, e in zip(start_us, end_us, strict=True)])
-    rtl = simulate(backward, rev)
-    prio = list(rtl.end)
-    return [list_schedule(graph, priority=prio, memory_limit_bytes=memory_limit_bytes, feed_streams=f)
-            for f in (False, True)]
+    return list(simulate(backward, rev).end)
