@@ -515,6 +515,67 @@ def split_instructions(comp, plans: dict[Instruction, SplitPlan], n: int,
 # -- loop-carried chunks ---------------------------------------------------------------------
 
 
+def barrier_state_reads(body, reads) -> list[Instruction]:
+    """Of ``reads`` (instructions of while body ``body``), the ``get-tuple-element`` s of an
+    ``opt-barrier`` whose tuple element is a read of the loop state (a ``get-tuple-element``
+    of the body's parameter), where ``release_barrier_state_reads`` can release them: the
+    barrier's operand is a tuple used by it alone, every user of the barrier is a
+    ``get-tuple-element``, and the barrier is not the root."""
+    param = body.parameters[0] if len(body.parameters) == 1 else None
+    out = []
+    for g in reads:
+        if g.opcode != "get-tuple-element" or not g.operands or g.operands[0].opcode != "opt-barrier":
+            continue
+        b = g.operands[0]
+        t = b.operands[0] if b.operands else None
+        if (t is None or t.opcode != "tuple" or len(t.users) != 1 or b is body.root
+                or not all(u.opcode == "get-tuple-element" for u in b.users)):
+            continue
+        op = t.operands[g.tuple_index]
+        if op.opcode == "get-tuple-element" and op.operands and op.operands[0] is param:
+            out.append(g)
+    return out
+
+
+def release_barrier_state_reads(body, reads) -> list[str]:
+    """Take the loop-state reads ``reads`` (from ``barrier_state_reads``) out of their
+    ``opt-barrier`` s: their users read the loop state directly, and each barrier keeps its
+    other elements (its tuple and shape shrink, the remaining reads are re-indexed).
+
+    JAX's remat puts the residuals of a rematerialised layer through an ``opt-barrier`` in
+    the backward loop body (``prevent_cse``), the incoming cotangent with them: the cotangent
+    is then read through the barrier, so a region split of the body slices and concatenates
+    it in every iteration instead of carrying it in chunks (``carried_splits`` wants the
+    loop state read by the region alone). An ``opt-barrier`` is the identity on values and a
+    loop-state read is available from the start of the iteration, so releasing it changes
+    no value and keeps the barrier's hold on everything else it orders (its other
+    elements: the weights and residuals the recomputation reads). Returns the names of the
+    released reads.
+    """
+    by_barrier: dict[int, tuple[Instruction, set]] = {}
+    for g in reads:
+        by_barrier.setdefault(id(g.operands[0]), (g.operands[0], set()))[1].add(g.tuple_index)
+    released = []
+    for b, indices in by_barrier.values():
+        t = b.operands[0]
+        keep = [k for k in range(len(t.operands)) if k not in indices]
+        if not keep:
+            continue  # a barrier of nothing: leave it whole
+        for u in list(b.users):
+            k = u.tuple_index
+            if k in indices:
+                body.replace_all_uses(u, t.operands[k])
+                body.remove_instruction(u)
+                released.append(u.name)
+            else:
+                u.set_attr("index", str(keep.index(k)))
+        ops = [t.operands[k] for k in keep]
+        t.set_operands(ops)
+        t.shape = Shape.tuple_of([o.shape for o in ops])
+        b.shape = t.shape
+    return released
+
+
 def carried_splits(w: Instruction, plans: dict[Instruction, SplitPlan], n: int) -> dict[int, int]:
     """Elements of ``w``'s loop state that can be carried as ``n`` chunks when its body is
     split by ``plans``: tuple index -> the split dimension.

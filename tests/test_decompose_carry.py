@@ -21,7 +21,13 @@ import models
 from concerto_jax.costmodel import CostModel, get_cluster
 from concerto_jax.decompose import DecomposeOptions
 from concerto_jax.decompose.region import build_region, grow_through_carries, score_region
-from hlo_passes.decompose_rewrite import carried_splits, max_channel_id, split_while_body
+from hlo_passes.decompose_rewrite import (
+    barrier_state_reads,
+    carried_splits,
+    max_channel_id,
+    release_barrier_state_reads,
+    split_while_body,
+)
 from tests._helpers import FAST, FULL_SCAN_MATRIX, run_bitwise_steps
 from tests.test_decompose_rules import _inputs, _run
 
@@ -153,6 +159,50 @@ def test_concatenated_input_is_not_sliced_again():
     assert [init.operands[1].name, init.operands[5].name] == ["x0a", "x0b"]
     inputs = _inputs(module)
     for a, b in zip(_run(hlo_passes.module_to_text(module), inputs), _run(text, inputs), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+
+def _barrier_text(trips: int) -> str:
+    """``_text`` with the body's activation and weight read through one ``opt-barrier``, as
+    JAX's remat reads a backward body's cotangent together with the layer's residuals."""
+    return _text(trips).replace(
+        "  %h = f32[8,4]{1,0} dot(%x, %w)",
+        "  %tb = (f32[4,4]{1,0}, f32[8,4]{1,0}) tuple(%w, %x)\n"
+        "  %bar = (f32[4,4]{1,0}, f32[8,4]{1,0}) opt-barrier(%tb)\n"
+        "  %wb = f32[4,4]{1,0} get-tuple-element(%bar), index=0\n"
+        "  %xb = f32[8,4]{1,0} get-tuple-element(%bar), index=1\n"
+        "  %h = f32[8,4]{1,0} dot(%xb, %wb)").replace(
+        "%gw = f32[4,4]{1,0} dot(%x, %y)", "%gw = f32[4,4]{1,0} dot(%xb, %y)")
+
+
+@pytest.mark.parametrize("trips", [1, 3])
+def test_loop_state_read_through_a_barrier_is_released_and_carried(trips):
+    """Read through the barrier, the activation is not the loop state the region reads
+    alone: it would be sliced and concatenated in every iteration. Released from the
+    barrier (the weight stays in it), it is carried in chunks; values unchanged."""
+    text = _barrier_text(trips)
+    module = hlo_passes.parse_module(text)
+    inputs = _inputs(module)
+    want = _run(text, inputs)
+    wh, body, region = _region(module)
+    assert carried_splits(wh, region.plans, 2) == {4: 0}  # the mask only: x goes through the barrier
+    reads = barrier_state_reads(body, [body.instruction("xb"), body.instruction("wb")])
+    assert [g.name for g in reads] == ["xb"]  # the weight is a reshape of a slice, not loop state
+    assert release_barrier_state_reads(body, reads) == ["xb"]
+    bar = body.instruction("bar")
+    assert [o.name for o in bar.operands[0].operands] == ["w"] and len(bar.shape.elements) == 1
+    assert body.instruction("wb").tuple_index == 0
+    _, _, region = _region(module)
+    assert carried_splits(wh, region.plans, 2) == {1: 0, 4: 0}
+    ids = iter(range(max_channel_id(module) + 1, 100))
+    split_while_body(wh, region.plans, 2, lambda: next(ids), isolate=True)
+    hlo_passes.verify(module)
+    out = hlo_passes.module_to_text(module)
+    hlo_passes.xla_parse(out)
+    assert not [i for i in body.instructions if i.opcode in ("slice", "concatenate")]
+    got = _run(out, inputs)
+    for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 

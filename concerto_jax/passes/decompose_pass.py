@@ -246,13 +246,29 @@ def _best_region(comp, n: int, cost_model, num_devices: int, loop=None, pull_in:
     return best
 
 
+def _read_split_outside(region) -> list:
+    """The instructions outside ``region`` that its members read split (sliced per chunk)."""
+    out: dict = {}
+    for inst, plan in region.plans.items():
+        for op, d in zip(inst.operands, plan.operand_dims, strict=True):
+            if d is not None and op not in region.plans:
+                out[id(op)] = op
+    return list(out.values())
+
+
 def _region_split(module, options, dopts: DecomposeOptions, cost_model) -> PassOutcome:
     """The region strategy (``concerto_jax.decompose.region``): in the entry computation and
     (with ``loop_bodies``) every while body, the best region (``_best_region``) is split
     into ``region_degree`` chunks. A region whose rewrite fails is left as it was, with one
     warning."""
     from concerto_jax.decompose.search import computations_to_search
-    from hlo_passes.decompose_rewrite import channel_counter, split_instructions, split_while_body
+    from hlo_passes.decompose_rewrite import (
+        barrier_state_reads,
+        channel_counter,
+        release_barrier_state_reads,
+        split_instructions,
+        split_while_body,
+    )
 
     n = dopts.region_degree
     fresh = channel_counter(module)
@@ -264,6 +280,15 @@ def _region_split(module, options, dopts: DecomposeOptions, cost_model) -> PassO
         loop = loops.get(id(comp)) if dopts.carry_chunks else None
         found = _best_region(comp, n, cost_model, module.num_devices, loop=loop,
                              pull_in=dopts.region_pull_in)
+        released: list[str] = []
+        if found is not None and loop is not None:
+            # loop state the region reads split through a remat barrier: released from it,
+            # it can be carried in chunks (release_barrier_state_reads)
+            reads = barrier_state_reads(comp, _read_split_outside(found[0]))
+            if reads:
+                released = release_barrier_state_reads(comp, reads)
+                found = _best_region(comp, n, cost_model, module.num_devices, loop=loop,
+                                     pull_in=dopts.region_pull_in)
         if found is None:
             continue
         region, score = found
@@ -292,6 +317,7 @@ def _region_split(module, options, dopts: DecomposeOptions, cost_model) -> PassO
                            "slices": len(res.slices), "concats": len(res.concats),
                            "sums": len(res.sums), "barriers": len(res.barriers),
                            "carried_in_chunks": sorted(carried),
+                           "released_from_barriers": released,
                            "comm_us": round(score.comm_us, 1),
                            "overhead_us": round(score.overhead_us, 1),
                            "predicted_gain_us": None})
