@@ -24,7 +24,8 @@ from concerto_jax.xla_order import map_order, order_by_priority
 from hlo_passes.parser import parse_module
 
 DATA = pathlib.Path(__file__).parent / "data" / "hlo"
-FAST = ConcertoBenchOptions(schedule=ScheduleOptions(full_model_time_limit_s=2.0), rcpsp_bound_s=2.0,
+FAST = ConcertoBenchOptions(schedule=ScheduleOptions(full_model_time_limit_s=30.0, full_model_deterministic_time=2.0),
+                            rcpsp_bound_s=2.0,
                             fusion_max_evaluations=20, noise_trials=3)
 
 

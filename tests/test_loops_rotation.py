@@ -104,10 +104,19 @@ def _tp_scan(layers: int, d: int = 256, f: int = 1024, tokens: int = 512):
     return step, (wi, wo), jax.device_put(jax.random.normal(k3, (tokens, d)), rep)
 
 
-def test_decompose_rotates_a_split_loop_where_it_pays_and_fits():
+def test_decompose_rotates_a_split_loop_where_it_pays_and_fits(monkeypatch):
     """After the region split of a scanned TP step (H100 costs), the forward layer loop is
     rotated within a memory budget, not without one (the carried partial sum is extra state
-    the body's own limit does not allow); the results stay within the split's tolerance."""
+    the body's own limit does not allow); the results stay within the split's tolerance.
+
+    Since session 18 the unrotated body plans as fast as the rotated one here (70.4 us a
+    trip: its list schedules now fit the body's limit; before, they were rejected and the
+    body kept a 89.2 us order, against which the rotation paid), so no rotation pays at
+    ``ROTATION_MARGIN``; the margin is set to -1 (rotate whatever fits) to keep the memory
+    rule and the rotated program's numerics under test."""
+    from concerto_jax.passes import pipeline_pass
+
+    monkeypatch.setattr(pipeline_pass, "ROTATION_MARGIN", -1.0)
     step, params, x = _tp_scan(3)
     records = {}
     for budget in (None, 1 << 30):
@@ -122,7 +131,7 @@ def test_decompose_rotates_a_split_loop_where_it_pays_and_fits():
     assert not records[None]["rotated"] and records[None]["why"] == "over the memory limit"
     kept = records[1 << 30]
     assert kept["rotated"] and kept["why"] == "pays and fits", kept
-    assert kept["rotated_loop_us"] < 0.98 * kept["loop_us"]
+    assert kept["rotated_loop_us"] < 2.0 * kept["loop_us"]  # the margin: (1 - (-1)) x the loop
     assert 0 < kept["carried_bytes"] and all(t["fits"] for t in kept["tried"])
 
 
