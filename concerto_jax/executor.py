@@ -187,7 +187,48 @@ def swap_executable(original: Any, loaded_executable: Any) -> Any:
     mesh_exe = original._executable
     unloaded = mesh_exe._unloaded_executable
     ours = dataclasses.replace(unloaded, xla_executable=loaded_executable, pgle_profiler=None)
+    loaded = ours.load()
+    _assemble_outputs(loaded.unsafe_call)
     params = original._params
-    return stages.Compiled(ours.load(), params.const_args, original.args_info,
-                           original.out_tree, original._no_kwargs,
-                           params.in_types, params.out_types)
+    compiled = stages.Compiled(loaded, params.const_args, original.args_info,
+                               original.out_tree, original._no_kwargs,
+                               params.in_types, params.out_types)
+    # JAX's C++ dispatch of later calls builds the outputs itself, from the runtime's view
+    # of them (see _assemble_outputs): every call goes through the Python path instead.
+    compiled_params = compiled._params
+
+    def call(*args, **kwargs):
+        outs, _, _ = stages.Compiled.call(compiled_params, *args, **kwargs)
+        return outs
+
+    compiled._call = call
+    return compiled
+
+
+def _assemble_outputs(call) -> None:
+    """Build each output of a replicated executable from its per-device buffers.
+
+    The executable runs ``n`` replicas, so the runtime describes each output as one
+    replicated array of the per-device shape. JAX's result handlers (C++) wrap that array
+    as is under the step's global shape and sharding, and jaxlib >= 0.11 reads it whole
+    (``np.asarray`` copies it in one go): "Shape mismatch during ToLiteral conversion".
+    A Python handler receives the per-device buffers instead; they are assembled into
+    the physical array of the step's global shape first, then handed to JAX's handler.
+    """
+    import jax
+    from jax._src import core, dtypes
+    from jax._src.interpreters import pxla
+    from jax._src.sharding_impls import physical_sharding
+
+    out = call.out_handler
+    handlers = []
+    for handler, aval, sharding in zip(out.handlers, out.out_avals, out.out_shardings, strict=True):
+        phys_aval = core.physical_aval(aval)
+        extended = dtypes.issubdtype(aval.dtype, dtypes.extended)
+        phys_sharding = physical_sharding(aval, sharding) if extended else sharding
+
+        def assemble(buffers, handler=handler, shape=phys_aval.shape, sharding=phys_sharding):
+            return handler(jax.make_array_from_single_device_arrays(shape, sharding, buffers))
+
+        handlers.append(assemble)
+    call.out_handler = pxla.ResultsHandler(handlers, out.out_shardings, out.out_avals)

@@ -22,15 +22,19 @@ class HloModule:
       sections: verbatim text of the FileNames/FunctionNames/FileLocations/
         StackFrames blocks ("" when absent).
       computations: list of Computations in printing order (callees first).
+      implicit_tuple_elements: names of the ``get-tuple-element`` instructions the parser
+        made for operands written ``%x#k`` (they have no line in the parsed text).
     """
 
-    __slots__ = ("name", "attrs", "sections", "computations", "_by_name", "_names")
+    __slots__ = ("name", "attrs", "sections", "computations", "implicit_tuple_elements",
+                 "_by_name", "_names")
 
     def __init__(self, name: str, attrs: dict[str, str] | None = None, sections: str = ""):
         self.name = name
         self.attrs = {} if attrs is None else attrs
         self.sections = sections
         self.computations: list[Computation] = []
+        self.implicit_tuple_elements: frozenset[str] = frozenset()
         self._by_name: dict[str, Computation] = {}
         self._names: set[str] | None = None
 

@@ -8,8 +8,16 @@ are skipped where XLA writes them)::
     computation := ['ENTRY'] NAME [signature] [',' 'execution_thread=' STRING] '{' NL
                    instruction* '}'
     instruction := ['ROOT'] NAME '=' shape OPCODE '(' operands ')' (',' KEY '=' VALUE)* NL
-    operands    := [[shape] NAME (',' [shape] NAME)*] | LITERAL (constant) | INT (parameter)
+    operands    := [[shape] REF (',' [shape] REF)*] | LITERAL (constant) | INT (parameter)
+    REF         := NAME ['#' INT]                       # NAME#k: element k of a tuple (see below)
     VALUE       := balanced text up to the next top-level ',' or end of line
+
+Newer XLA (jaxlib >= 0.11) prints an operand that is element ``k`` of a tuple-shaped
+instruction as ``%name#k`` instead of a separate ``get-tuple-element``. The parser
+materialises one ``get-tuple-element`` per ``(name, k)`` and computation as XLA's own
+parser does (named ``name_k``, placed right before its first user), so the IR has one
+form and the printer writes the classic one, which every XLA version parses. Their
+names are listed in ``HloModule.implicit_tuple_elements``: they have no line in the text.
 
 Attribute values are kept as raw text except those naming computations
 (``to_apply``, ``calls``, ...) and ``control-predecessors``, which are resolved
@@ -41,7 +49,7 @@ _COMP_RE = re.compile(r"(ENTRY[ \t]+)?%?(" + _NAME + r")[ \t]*")
 _INSTR_RE = re.compile(r"[ \t]*(ROOT[ \t]+)?%?(" + _NAME + r")[ \t]*=[ \t]*")
 _OPCODE_RE = re.compile(r"[ \t]*([a-z][a-z0-9\-]*)\(")
 _FAST_OPERANDS_RE = re.compile(r"(%" + _NAME + r"(?:, %" + _NAME + r")*)?\)")
-_OPERAND_NAME_RE = re.compile(r"%?(" + _NAME + r")")
+_OPERAND_NAME_RE = re.compile(r"%?(" + _NAME + r"(?:#\d+)?)")
 _SHAPE_START_RE = re.compile(r"[a-z][a-z0-9]*\[|\(")
 _ATTR_RE = re.compile(r"[ \t]*,[ \t]*([A-Za-z_][\w\-]*)[ \t]*=[ \t]*")
 _EOL_RE = re.compile(r"[ \t]*(?://[^\n]*)?(?:\n|\Z)")
@@ -67,6 +75,7 @@ class _Parser:
     def __init__(self, text: str, source: str):
         self.text = text.replace("\r\n", "\n")
         self.source = source
+        self.implicit_names: set[str] = set()  # the get-tuple-elements made for NAME#k
 
     # -- errors -----------------------------------------------------------------------
     def error(self, pos: int, expected: str) -> HloParseError:
@@ -183,6 +192,7 @@ class _Parser:
                                               f"(%{name} is not defined)")
                 comps.append(comp)
             inst.attrs[key] = comps if ref.is_list else comps[0]
+        module.implicit_tuple_elements = frozenset(self.implicit_names)
         return module
 
     def attributes(self, pos: int, attrs: dict, fixups) -> int:
@@ -299,8 +309,11 @@ class _Parser:
                     raise self.error(line_pos, f"one ROOT per computation (%{root.name} "
                                                "already is the ROOT)")
                 root = inst
+        implicit: dict[str, Instruction] = {}
         for inst, index, name, use_pos in pending:
             op = by_name.get(name)
+            if op is None and "#" in name:
+                op = implicit.get(name) or self.tuple_element(comp, name, inst, use_pos, implicit)
             if op is None:
                 raise self.error(use_pos, f"an operand defined in computation %{comp.name} "
                                           f"(%{name} is not defined)")
@@ -321,6 +334,30 @@ class _Parser:
             raise self.error(pos - 1, f"at least one instruction in %{comp.name}")
         comp.root = root if root is not None else instructions[-1]
         return comp, pos
+
+    def tuple_element(self, comp: Computation, ref: str, user: Instruction, use_pos: int,
+                      implicit: dict[str, Instruction]) -> Instruction | None:
+        """The ``get-tuple-element`` that ``name#k`` stands for (created before ``user``)."""
+        base, k = ref.rsplit("#", 1)
+        producer = comp._by_name.get(base)
+        if producer is None:
+            return None
+        index = int(k)
+        shape = producer.shape
+        if not shape.is_tuple or index >= len(shape.elements):
+            raise self.error(use_pos, f"an element of a tuple (%{base} has shape {shape}, "
+                                      f"no element {index})")
+        name, n = f"{base}_{index}", 1
+        while name in comp._by_name or name in self.implicit_names:
+            name, n = f"{base}_{index}.{n}", n + 1
+        gte = Instruction(name, "get-tuple-element", shape.elements[index], [producer],
+                          {"index": str(index)})
+        gte.parent = comp
+        comp.instructions.insert(comp.instructions.index(user), gte)
+        comp._by_name[name] = gte
+        implicit[ref] = gte
+        self.implicit_names.add(name)
+        return gte
 
     def operands(self, pos: int, inst: Instruction, by_name, pending) -> int:
         text = self.text
@@ -353,7 +390,7 @@ class _Parser:
                     raise self.error(pos, "',' or ')' after an operand")
         operands = inst.operands
         for name, use_pos in names_pos:
-            op = by_name.get(name)
+            op = by_name.get(name)  # None for NAME#k too: resolved with the pending names
             if op is None:
                 pending.append((inst, len(operands), name, use_pos))
                 operands.append(None)
