@@ -116,10 +116,9 @@ def _computation_infos(comp, cache: dict) -> tuple[OpInfo, ...]:
 
 
 def _collective_of(inst):
-    """The instruction carrying the collective's attributes (the wrapped one for generic async)."""
-    if inst.opcode.startswith("async-"):
-        return inst.async_wrapped or inst
-    return inst
+    """The instruction carrying the collective's attributes (the wrapped one for generic async
+    and for collective kernel fusions)."""
+    return inst.collective_op or inst
 
 
 def _payload_bytes(kind: str, start, done) -> int:
@@ -274,7 +273,8 @@ def build_taskgraph(module, cost_model: CostModel, *, fold_aliases: bool = True,
                 preds[i] |= deps(inst) - {i}
                 events.append(Event(i, Phase.DONE))
             continue
-        if kind is not None and (role == "start" or inst.opcode in _SYNC_COLLECTIVES):
+        if kind is not None and (role == "start" or inst.opcode in _SYNC_COLLECTIVES
+                                 or inst.opcode == "fusion"):  # a collective kernel fusion
             placeholder = Task(inst.name, TaskKind.COLLECTIVE, 0.0, stream=stream_of(kind),
                                opcode=inst.opcode, collective=CollectiveInfo(kind, 0, 1))
             i = add(placeholder, deps(inst))

@@ -223,32 +223,81 @@ class Instruction:
 
     @property
     def async_wrapped(self) -> Instruction | None:
-        """For the generic ``async-*`` family: the op its wrapped computation runs."""
-        start = self if self.opcode == "async-start" else self.async_start()
-        if start is None or start.opcode != "async-start":
+        """For the generic ``async-*`` family and ``fusion-start/done``: the op it runs.
+
+        That is the op of an ``async-start``'s wrapped computation, or, where that op (or a
+        ``fusion-start``) is a collective kernel fusion (XLA:GPU's Triton one-shot
+        all-reduce, jaxlib >= 0.11: a fusion whose root is a collective), the collective
+        inside it, which carries the replica groups.
+        """
+        start = self if self.async_role == "start" else self.async_start()
+        if start is None:
+            return None
+        if start.opcode == "fusion-start":
+            return _fused_collective(start) or start
+        if start.opcode != "async-start":
             return None
         comps = start.called_computations
         if not comps or comps[0].root is None:
             return None
-        root = comps[0].root
-        if root.opcode in ("tuple", "get-tuple-element", "bitcast"):
-            for inst in comps[0].instructions:
-                if inst.opcode not in ("parameter", "tuple", "get-tuple-element", "bitcast"):
-                    return inst
-        return root
+        op = _root_op(comps[0])
+        return (_fused_collective(op) or op) if op.opcode == "fusion" else op
+
+    @property
+    def collective_op(self) -> Instruction | None:
+        """The instruction that carries this collective's attributes (replica groups,
+        ``to_apply``): itself for a sync or sugared async collective, the wrapped op for
+        the generic ``async-*`` family, the collective inside a collective kernel fusion;
+        None for a non-collective."""
+        if self.collective_kind is None:
+            return None
+        if self.opcode == "fusion":
+            return _fused_collective(self)
+        if self.opcode.startswith("async-") or self.opcode.startswith("fusion-"):
+            return self.async_wrapped
+        return self
 
     @property
     def collective_kind(self) -> str | None:
         """Normalised kind (``'all-reduce'``, ``'all-gather'``, ``'reduce-scatter'``,
         ``'all-to-all'``, ``'collective-permute'``, ...) of a collective or of any member
-        of its async family (sugared or generic form); None otherwise."""
-        kind = _ops.collective_kind_of_opcode(self.opcode)
-        if kind is not None or not self.opcode.startswith("async-"):
+        of its async family (sugared or generic form), collective kernel fusions
+        included (sync ``fusion`` or async); None otherwise."""
+        opcode = self.opcode
+        kind = _ops.collective_kind_of_opcode(opcode)
+        if kind is not None:
             return kind
-        wrapped = self.async_wrapped
+        if opcode == "fusion":
+            wrapped = _fused_collective(self)
+        elif opcode.startswith("async-") or opcode.startswith("fusion-"):
+            wrapped = self.async_wrapped
+        else:
+            return None
         return None if wrapped is None else _ops.collective_kind_of_opcode(wrapped.opcode)
 
     @property
     def is_collective(self) -> bool:
         """True for collectives and the members of their async families."""
         return self.collective_kind is not None
+
+
+_WRAPPER_OPCODES = frozenset({"parameter", "tuple", "get-tuple-element", "bitcast"})
+
+
+def _root_op(comp) -> Instruction:
+    """The op a wrapper computation runs: its root, or the first op under a tuple/bitcast root."""
+    root = comp.root
+    if root.opcode in _WRAPPER_OPCODES:
+        for inst in comp.instructions:
+            if inst.opcode not in _WRAPPER_OPCODES:
+                return inst
+    return root
+
+
+def _fused_collective(fusion: Instruction) -> Instruction | None:
+    """The collective a collective kernel fusion runs (its called computation's root op), or None."""
+    comps = fusion.called_computations
+    if not comps or comps[0].root is None:
+        return None
+    op = _root_op(comps[0])
+    return op if _ops.collective_kind_of_opcode(op.opcode) is not None else None
