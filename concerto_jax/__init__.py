@@ -20,17 +20,19 @@ Pipeline (one stage per module)::
       XLA's final module keeps our order
 
 Public API: ``optimize``, ``Options``, ``OptimizedStep``, ``Report``,
-``ConcertoFallbackWarning``, ``FirstStepMismatch``; for a target GPU cluster without a GPU:
+``ConcertoFallbackWarning``, ``FirstStepMismatch``, ``UnsupportedJaxVersion``; for a target GPU cluster without a GPU:
 ``target_mesh`` (a mesh of the cluster's deviceless devices) and
 ``compile_for_target`` (our plan compiled by XLA's GPU compiler for the target,
 with planned/final/stock step times; ``TargetResult``).
 """
 
 from concerto_jax.api import ConcertoFallbackWarning, FirstStepMismatch, OptimizedStep, optimize
+from concerto_jax.jax_compat import UnsupportedJaxVersion
 from concerto_jax.options import Options
 from concerto_jax.report import Report
 from concerto_jax.target.compile import target_mesh
 from concerto_jax.target.program import TargetFallbackWarning, TargetResult, compile_for_target
 
 __all__ = ["ConcertoFallbackWarning", "FirstStepMismatch", "OptimizedStep", "Options", "Report",
-           "TargetFallbackWarning", "TargetResult", "compile_for_target", "optimize", "target_mesh"]
+           "TargetFallbackWarning", "TargetResult", "UnsupportedJaxVersion", "compile_for_target",
+           "optimize", "target_mesh"]

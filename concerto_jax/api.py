@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from concerto_jax import capture as capture_lib
-from concerto_jax import executor, first_step, multiprocess, pipeline
+from concerto_jax import executor, first_step, jax_compat, multiprocess, pipeline
 from concerto_jax.options import Options, defaults_for_platform
 from concerto_jax.report import Report
 
@@ -270,6 +270,12 @@ class OptimizedStep:
         if not options.passes and not options.always_recompile:
             # Identity by construction: JAX's own executable, nothing captured until report().
             return _Entry(None, None, abstract=jax.tree.map(_abstract, (args, kwargs)))
+        try:
+            jax_compat.check_supported()  # internals of an unchecked JAX: never guess
+        except jax_compat.UnsupportedJaxVersion as e:
+            if not self.options.fallback:
+                raise
+            return self._fallback(str(e), name, len(jax.devices()), "")
         cap, result, failure, timings = self._run_pipeline(args, kwargs, options)
         unverified = ""
         if failure is None:
@@ -287,6 +293,7 @@ class OptimizedStep:
                     _dump(self.options.dump_dir, name, text, result.text)
                 t0 = time.perf_counter()
                 callbacks = cap.host_callbacks
+                executor.check_signature(text, result.text)
                 loaded, _ = executor.compile_replicated(
                     result.text, cap.device_list, compiler_options=self.options.compiler_options,
                     host_callbacks=callbacks)
@@ -342,6 +349,7 @@ class OptimizedStep:
 
         def build():
             text, mapping = pipeline.wider_text(cap.hlo_text)
+            executor.check_signature(cap.hlo_text, text)
             loaded, _ = executor.compile_replicated(
                 text, cap.device_list, compiler_options=self.options.compiler_options,
                 host_callbacks=cap.host_callbacks)

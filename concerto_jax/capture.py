@@ -11,7 +11,8 @@ jitted function once with XLA's HLO dump switched on for the
   original one;
 * the device assignment (partition ``i`` runs on ``device_list[i]``).
 
-The dump recipe was checked on jax 0.10.2 (see WORKSPACE_NOTES.md).
+The dump recipe was checked on jax 0.11.2 and 0.12.0.1 (pass names in
+``concerto_jax.jax_compat``).
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from concerto_jax import jax_compat
+
 log = logging.getLogger(__name__)
 
-_SPMD_DUMP_GLOB = "*after_spmd-partitioning*.txt"
+_SPMD_DUMP_GLOB = f"*after_{jax_compat.SPMD_PASS}*.txt"
 _UNPARTITIONED_DUMP_GLOB = "*before_optimizations.txt"
 
 
@@ -105,7 +108,7 @@ class Capture:
 
     @property
     def _unloaded(self):
-        return self.compiled._executable._unloaded_executable
+        return jax_compat.unloaded_executable(self.compiled)
 
     @property
     def output_avals(self):
@@ -169,7 +172,7 @@ def capture(fn: Any, args: tuple, kwargs: Mapping[str, Any] | None = None, *,
         lowered = fn.lower(*args, **kwargs)
         options = {
             "xla_dump_to": dump_dir,
-            "xla_dump_hlo_pass_re": "spmd-partitioning",
+            "xla_dump_hlo_pass_re": jax_compat.SPMD_PASS,
             "xla_dump_hlo_as_text": True,
             "xla_dump_large_constants": True,
             # This executable is never run (only its calling convention is reused),
@@ -190,8 +193,7 @@ def capture(fn: Any, args: tuple, kwargs: Mapping[str, Any] | None = None, *,
     finally:
         if keep_dump_dir is None:
             shutil.rmtree(dump_dir, ignore_errors=True)
-    mesh_exe = compiled._executable
-    device_list = tuple(mesh_exe._unloaded_executable.device_list)
+    device_list = tuple(jax_compat.unloaded_executable(compiled).device_list)
     seconds = time.perf_counter() - t0
     log.info("captured %s: %d partitions, %d lines of HLO in %.2fs",
              getattr(fn, "__name__", "step"), len(device_list), text.count("\n"), seconds)

@@ -30,6 +30,7 @@ import re
 from collections.abc import Callable
 
 import hlo_passes
+from concerto_jax import jax_compat
 
 __all__ = ["CustomCallInfo", "UnsupportedCustomCall", "check_carryable", "custom_calls"]
 
@@ -87,9 +88,7 @@ def _never(call: CustomCallInfo, n_callbacks: int, platform: str) -> str | None:
 
 def _registered(call: CustomCallInfo, n_callbacks: int, platform: str) -> str | None:
     """Default rule: targets registered with XLA for the platform compile to the same kernel."""
-    from jax._src.lib import xla_client as xc
-
-    if call.target in xc.custom_call_targets(platform):
+    if call.target in jax_compat.custom_call_targets(platform):
         return None
     return (f"custom call {call.name} targets {call.target!r}, which is not registered for "
             f"platform {platform!r}")

@@ -16,21 +16,14 @@ are handled by JAX exactly as for the original.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-from jax._src import stages
-from jax._src.interpreters import mlir as jax_mlir
-from jax._src.lib import _jax
-from jax._src.lib import xla_client as xc
-from jax._src.lib.mlir import ir
-
 import hlo_passes
+from concerto_jax import jax_compat
 from concerto_jax.custom_calls import check_carryable
 from hlo_passes.rewrites import cpu_divide_by_broadcast
 
@@ -44,7 +37,7 @@ class ExecutorError(RuntimeError):
 def parse_with_xla(hlo_text: str):
     """Parse HLO text with XLA's own parser (raises ``ExecutorError`` naming XLA's complaint)."""
     try:
-        return xc.hlo.hlo_module_from_text(hlo_text)
+        return jax_compat.hlo_module_from_text(hlo_text)
     except Exception as e:  # XLA raises XlaRuntimeError / ValueError depending on the path
         raise ExecutorError(f"XLA's HLO parser rejected the emitted module: {e}") from e
 
@@ -72,8 +65,8 @@ def _mark_donors(mlir_bytes: bytes, params: list[int]) -> str | bytes:
     """Add ``jax.buffer_donor = true`` to the given arguments of ``@main``."""
     if not params:
         return mlir_bytes
-    with jax_mlir.make_ir_context() as ctx:
-        module = ir.Module.parse(mlir_bytes, context=ctx)
+    ir = jax_compat.mlir_ir()
+    with jax_compat.mlir_module(mlir_bytes) as module:
         for op in module.body.operations:
             if "sym_name" in op.attributes and ir.StringAttr(op.attributes["sym_name"]).value == "main":
                 n_args = len(op.regions[0].blocks[0].arguments)
@@ -110,17 +103,11 @@ def compensate_round_trip(hlo_text: str, platform: str) -> str:
     return hlo_passes.module_to_text(module)
 
 
-def replicated_compile_options(devices) -> xc.CompileOptions:
-    """``CompileOptions`` of a per-device module run as ``len(devices)`` replicas, replica i on ``devices[i]``."""
-    n = len(devices)
-    opts = xc.CompileOptions()
-    build = opts.executable_build_options
-    build.num_replicas = n
-    build.num_partitions = 1
-    build.use_spmd_partitioning = False
-    build.device_assignment = xc.DeviceAssignment.create(
-        np.array([d.id for d in devices], dtype=np.int64).reshape(n, 1))
-    return opts
+def replicated_compile_options(devices, env: Mapping[str, Any] | None = None):
+    """``CompileOptions`` of a per-device module run as ``len(devices)`` replicas, replica i
+    on ``devices[i]``, with XLA option overrides ``env``."""
+    return jax_compat.compile_options([d.id for d in devices], num_replicas=len(devices),
+                                      num_partitions=1, spmd=False, env=dict(env or {}))
 
 
 def compile_replicated(hlo_text: str, device_list, *,
@@ -152,83 +139,77 @@ def compile_replicated(hlo_text: str, device_list, *,
         check_carryable(hlo_passes.parse_module(hlo_text, source="emitted"),
                         n_callbacks=len(host_callbacks), platform=devices[0].platform)
     module = parse_with_xla(compensate_round_trip(hlo_text, devices[0].platform))
-    mlir = _jax.mlir.hlo_to_stablehlo(module.as_serialized_hlo_module_proto())
+    mlir = jax_compat.hlo_to_stablehlo(module)
     mlir = _mark_donors(mlir, donated_parameters(hlo_text))
-    opts = replicated_compile_options(devices)
-    for key, value in (compiler_options or {}).items():
-        opts.env_option_overrides = list(opts.env_option_overrides) + [(key, value)]
+    opts = replicated_compile_options(devices, compiler_options)
     client = devices[0].client
     try:
         if host_callbacks:
             # Only the ir.Module overload takes host callbacks (as JAX's own compile does).
-            with jax_mlir.make_ir_context() as ctx:
-                module_ir = ir.Module.parse(mlir, context=ctx)
+            with jax_compat.mlir_module(mlir) as module_ir:
                 exe = client.compile_and_load(
-                    module_ir, executable_devices=xc.DeviceList(devices), compile_options=opts,
-                    host_callbacks=list(host_callbacks))
+                    module_ir, executable_devices=jax_compat.device_list(devices),
+                    compile_options=opts, host_callbacks=list(host_callbacks))
         else:
-            exe = client.compile_and_load(mlir, xc.DeviceList(devices), opts)
+            exe = client.compile_and_load(mlir, jax_compat.device_list(devices), opts)
     except Exception as e:
         raise ExecutorError(f"XLA failed to compile the emitted module: {e}") from e
     return exe, time.perf_counter() - t0
 
 
+def check_signature(captured_text: str, module_text: str) -> None:
+    """Raise ``ExecutorError`` unless ``module_text``'s entry takes and returns per-device
+    shapes (layouts included) equal to the captured module's.
+
+    The runtime loads an executable behind the original step's header without comparing the
+    two (a wrong output shape runs, and fails only when the output is read), so a pass that
+    changed the signature must be caught here.
+    """
+    def signature(text: str, source: str):
+        entry = hlo_passes.parse_module(text, source=source).entry
+        return [str(p.shape) for p in entry.parameters], str(entry.root.shape)
+
+    want, got = signature(captured_text, "captured"), signature(module_text, "emitted")
+    if want != got:
+        what = "parameters" if want[0] != got[0] else "results"
+        raise ExecutorError(f"the emitted module's entry {what} differ from the step's "
+                            f"(expected {want[0] if what == 'parameters' else want[1]}, found "
+                            f"{got[0] if what == 'parameters' else got[1]})")
+
+
+_NO_FAST_PATH: set[str] = set()
+"""Reasons (per process) why an executable was swapped in without JAX's C++ dispatch."""
+
+
 def swap_executable(original: Any, loaded_executable: Any) -> Any:
     """A ``jax.stages.Compiled`` that calls ``loaded_executable`` with ``original``'s convention.
 
+    Our executable runs ``n`` replicas, so the runtime describes its outputs per device.
+    It is reloaded behind the original step's serialization header
+    (``jax_compat.behind_header``): the runtime then describes the outputs as the step's
+    global arrays and JAX's C++ dispatch serves every call, at plain ``jit`` cost. Where
+    the client cannot serialize, every output is assembled from its per-device buffers
+    instead, through JAX's Python dispatch (logged once).
+
     Args:
       original: the ``Compiled`` object of the user's jitted step (from capture).
-      loaded_executable: our compiled replicated program over the same devices.
+      loaded_executable: our compiled replicated program over the same devices, whose
+        signature ``check_signature`` accepted.
 
     Returns:
       A ``Compiled`` whose ``__call__`` takes the same (dynamic) arguments as
       ``original`` and returns the same pytree with the same shardings.
     """
-    mesh_exe = original._executable
-    unloaded = mesh_exe._unloaded_executable
-    ours = dataclasses.replace(unloaded, xla_executable=loaded_executable, pgle_profiler=None)
-    loaded = ours.load()
-    _assemble_outputs(loaded.unsafe_call)
-    params = original._params
-    compiled = stages.Compiled(loaded, params.const_args, original.args_info,
-                               original.out_tree, original._no_kwargs,
-                               params.in_types, params.out_types)
-    # JAX's C++ dispatch of later calls builds the outputs itself, from the runtime's view
-    # of them (see _assemble_outputs): every call goes through the Python path instead.
-    compiled_params = compiled._params
-
-    def call(*args, **kwargs):
-        outs, _, _ = stages.Compiled.call(compiled_params, *args, **kwargs)
-        return outs
-
-    compiled._call = call
-    return compiled
-
-
-def _assemble_outputs(call) -> None:
-    """Build each output of a replicated executable from its per-device buffers.
-
-    The executable runs ``n`` replicas, so the runtime describes each output as one
-    replicated array of the per-device shape. JAX's result handlers (C++) wrap that array
-    as is under the step's global shape and sharding, and jaxlib >= 0.11 reads it whole
-    (``np.asarray`` copies it in one go): "Shape mismatch during ToLiteral conversion".
-    A Python handler receives the per-device buffers instead; they are assembled into
-    the physical array of the step's global shape first, then handed to JAX's handler.
-    """
-    import jax
-    from jax._src import core, dtypes
-    from jax._src.interpreters import pxla
-    from jax._src.sharding_impls import physical_sharding
-
-    out = call.out_handler
-    handlers = []
-    for handler, aval, sharding in zip(out.handlers, out.out_avals, out.out_shardings, strict=True):
-        phys_aval = core.physical_aval(aval)
-        extended = dtypes.issubdtype(aval.dtype, dtypes.extended)
-        phys_sharding = physical_sharding(aval, sharding) if extended else sharding
-
-        def assemble(buffers, handler=handler, shape=phys_aval.shape, sharding=phys_sharding):
-            return handler(jax.make_array_from_single_device_arrays(shape, sharding, buffers))
-
-        handlers.append(assemble)
-    call.out_handler = pxla.ResultsHandler(handlers, out.out_shardings, out.out_avals)
+    unloaded = jax_compat.unloaded_executable(original)
+    try:
+        reloaded = jax_compat.behind_header(
+            jax_compat.xla_executable(original), jax_compat.pjrt_payload(loaded_executable),
+            unloaded.device_list, unloaded.host_callbacks)
+    except Exception as e:  # noqa: BLE001 - a client without serialization: assemble instead
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        if reason not in _NO_FAST_PATH:
+            _NO_FAST_PATH.add(reason)
+            log.warning("our executable could not be reloaded behind the step's header (%s); its "
+                        "outputs are assembled per call, through JAX's Python dispatch", reason)
+        return jax_compat.swapped_step(original, loaded_executable, assemble_outputs=True)
+    return jax_compat.swapped_step(original, reloaded, assemble_outputs=False)

@@ -6,9 +6,11 @@ __all__ = ["xla_parse", "xla_canonical", "xla_print_options"]
 
 
 def _hlo():
-    from jax._src.lib import xla_client  # deferred: no JAX start-up at import time
+    # lazy: no JAX start-up when the IR is imported; jaxlib's HLO bindings are reached through
+    # concerto_jax.jax_compat, the one module that touches JAX's internals
+    from concerto_jax import jax_compat
 
-    return xla_client.hlo
+    return jax_compat.xla_client().hlo
 
 
 def xla_print_options():
@@ -31,7 +33,9 @@ def xla_parse(text: str):
       Exception: whatever XLA raises for text it rejects (``XlaRuntimeError``
         or ``ValueError`` depending on the jaxlib version).
     """
-    return _hlo().hlo_module_from_text(text)
+    from concerto_jax import jax_compat  # lazy: see _hlo
+
+    return jax_compat.hlo_module_from_text(text)
 
 
 def xla_canonical(text: str) -> str:

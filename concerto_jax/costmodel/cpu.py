@@ -44,13 +44,13 @@ _NP_DTYPES = {"f32": np.float32, "f64": np.float64, "f16": np.float16, "s32": np
 def compile_hlo_cpu(text: str):
     """Compile HLO text for CPU device 0 through XLA's parser and StableHLO (a loaded executable)."""
     import jax
-    from jax._src.lib import _jax
-    from jax._src.lib import xla_client as xc
 
-    module = xc.hlo.hlo_module_from_text(text)
-    mlir = _jax.mlir.hlo_to_stablehlo(module.as_serialized_hlo_module_proto())
+    from concerto_jax import jax_compat
+
+    mlir = jax_compat.hlo_to_stablehlo(jax_compat.hlo_module_from_text(text))
     dev = jax.devices("cpu")[0]
-    return dev.client.compile_and_load(mlir, xc.DeviceList((dev,)), xc.CompileOptions())
+    return dev.client.compile_and_load(mlir, jax_compat.device_list((dev,)),
+                                       jax_compat.xla_client().CompileOptions())
 
 
 def _args_for(shapes) -> list:
@@ -464,9 +464,9 @@ def pin_to_one_cpu(cpu: int | None = None) -> int:
         cpu = min(os.sched_getaffinity(0))
     if "jax" in sys.modules:
         try:
-            from jax._src import xla_bridge
+            from concerto_jax import jax_compat
 
-            if xla_bridge.backends_are_initialized():
+            if jax_compat.backends_initialized():
                 log.warning("pin_to_one_cpu after JAX started: its thread pools keep their size")
         except (ImportError, AttributeError):
             pass

@@ -1,0 +1,379 @@
+"""The one place where concerto_jax touches JAX's and jaxlib's internals.
+
+Everything private that the package uses of JAX (``jax._src``), jaxlib (``_jax``,
+``_hlo``, ``xla_client``) and XLA (dump pass names, the IFRT serialization header) goes
+through this module, so that a JAX upgrade is checked in one file. Each function names
+the versions its path was checked on. The PJRT C API of the CUDA plugin is driven by
+``concerto_jax.target.pjrt_c``, which checks the API version and table size the plugin
+reports and reads function pointers by the header's (append-only) layout.
+
+Supported: jax/jaxlib from ``MIN_VERSION`` up to, not including, ``NEXT_UNCHECKED``
+(checked on 0.11.2 and 0.12.0.1). On another version ``check_supported`` raises
+``UnsupportedJaxVersion``: ``optimize`` then runs the original step with one warning and
+``compile_for_target`` raises it, rather than misbehaving on internals that changed.
+Setting ``CONCERTO_JAX_ALLOW_UNCHECKED_JAX=1`` lets a newer version through at the user's
+risk (for trying a release before it is checked here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+
+log = logging.getLogger(__name__)
+
+MIN_VERSION = (0, 11, 2)
+"""The oldest jax/jaxlib release checked."""
+NEXT_UNCHECKED = (0, 13)
+"""The first release line not checked yet (0.12.x is)."""
+CHECKED_VERSIONS = ("0.11.2", "0.12.0.1")
+"""The releases the test suite ran on."""
+
+ALLOW_ENV = "CONCERTO_JAX_ALLOW_UNCHECKED_JAX"
+
+
+class UnsupportedJaxVersion(RuntimeError):
+    """The installed JAX is outside the range whose internals this package was checked on."""
+
+
+def parse_version(version: str) -> tuple[int, ...]:
+    """The release numbers of a version string, up to its first non-numeric suffix
+    (``"0.13.0rc1"`` -> ``(0, 13, 0)``, ``"0.12.1.dev20261101"`` -> ``(0, 12, 1)``)."""
+    parts = []
+    for piece in version.split("."):
+        m = re.match(r"\d+", piece)
+        if m is None:
+            break
+        parts.append(int(m.group()))
+        if m.end() != len(piece):
+            break
+    return tuple(parts)
+
+
+def jax_versions() -> tuple[str, str]:
+    """``(jax.__version__, jaxlib.__version__)``."""
+    import jaxlib
+
+    return jax.__version__, jaxlib.__version__
+
+
+def check_supported() -> None:
+    """Raise ``UnsupportedJaxVersion`` unless jax and jaxlib are in the checked range.
+
+    Raises:
+      UnsupportedJaxVersion: says which versions are supported and how to proceed.
+    """
+    versions = jax_versions()
+    bad = [v for v in versions if not MIN_VERSION <= parse_version(v) < NEXT_UNCHECKED]
+    if not bad:
+        return
+    if os.environ.get(ALLOW_ENV) == "1":
+        log.warning("jax/jaxlib %s/%s were not checked with concerto_jax (%s=1 lets them through)",
+                    *versions, ALLOW_ENV)
+        return
+    lo = ".".join(map(str, MIN_VERSION))
+    hi = ".".join(map(str, NEXT_UNCHECKED))
+    raise UnsupportedJaxVersion(
+        f"concerto_jax was checked with jax/jaxlib >= {lo}, < {hi} (tested on "
+        f"{', '.join(CHECKED_VERSIONS)}); this environment has jax {versions[0]}, jaxlib "
+        f"{versions[1]}. Install a supported release (`pip install 'jax>={lo},<{hi}'`), or set "
+        f"{ALLOW_ENV}=1 to try this one at your own risk")
+
+
+# -- XLA's dumps (pass names and file markers; checked on 0.11.2, 0.12.0.1) ------------------
+
+SPMD_PASS = "spmd-partitioning"
+"""The pass whose ``after`` dump is the per-device module (``*after_spmd-partitioning*``)."""
+LHS_PASS = "latency-hiding-scheduler"
+"""XLA:GPU's latency hiding scheduler."""
+SCHEDULED_PASS = "apply-xla-transforms"
+"""First pass of XLA:GPU's post-scheduling pipelines; its ``before`` dump in the pipeline
+``SCHEDULED_MARKER`` names is the scheduled module ``RunPostSchedulingPipelines`` receives."""
+SCHEDULED_MARKER = "post-scheduler-xla-transforms.after_pipeline-start.before_apply-xla-transforms"
+
+
+# -- jaxlib's HLO and MLIR bridges (checked on 0.11.2, 0.12.0.1) -------------------------------
+
+def xla_client():
+    """``jax._src.lib.xla_client`` (``CompileOptions``, ``DeviceList``, the ``hlo`` module)."""
+    from jax._src.lib import xla_client as xc
+
+    return xc
+
+
+def hlo_module_from_text(text: str):
+    """XLA's parser: a jaxlib ``HloModule`` (raises what XLA raises for bad text)."""
+    return xla_client().hlo.hlo_module_from_text(text)
+
+
+def hlo_module_from_proto(proto: bytes):
+    """A jaxlib ``HloModule`` from a serialized ``HloModuleProto``."""
+    return xla_client().hlo.HloModule.from_serialized_hlo_module_proto(proto)
+
+
+def hlo_to_stablehlo(hlo_module) -> bytes:
+    """StableHLO bytecode of a jaxlib ``HloModule`` (XLA's HLO -> MHLO -> StableHLO import)."""
+    from jax._src.lib import _jax
+
+    return _jax.mlir.hlo_to_stablehlo(hlo_module.as_serialized_hlo_module_proto())
+
+
+@contextlib.contextmanager
+def mlir_module(module_bytes: bytes | str) -> Iterator[Any]:
+    """Parse StableHLO into an ``ir.Module`` inside JAX's MLIR context (yields the module)."""
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir import ir
+
+    with mlir.make_ir_context() as ctx:
+        yield ir.Module.parse(module_bytes, context=ctx)
+
+
+def mlir_ir():
+    """JAX's MLIR Python bindings (``ir``): attributes for edits inside ``mlir_module``."""
+    from jax._src.lib.mlir import ir
+
+    return ir
+
+
+def compile_options(devices_grid, *, num_replicas: int, num_partitions: int,
+                    spmd: bool, env: dict | None = None):
+    """``xla_client.CompileOptions`` with a device assignment (``devices_grid``: ids,
+    shape ``(num_replicas, num_partitions)``) and XLA option overrides ``env``."""
+    import numpy as np
+
+    xc = xla_client()
+    opts = xc.CompileOptions()
+    build = opts.executable_build_options
+    build.num_replicas = num_replicas
+    build.num_partitions = num_partitions
+    build.use_spmd_partitioning = spmd
+    build.device_assignment = xc.DeviceAssignment.create(
+        np.asarray(devices_grid, dtype=np.int64).reshape(num_replicas, num_partitions))
+    if env:
+        opts.env_option_overrides = list(env.items())
+    return opts
+
+
+def device_list(devices: Sequence) -> Any:
+    """jaxlib's ``DeviceList`` of ``devices``."""
+    return xla_client().DeviceList(tuple(devices))
+
+
+def custom_call_targets(platform: str) -> Any:
+    """The custom-call targets registered with XLA for ``platform``."""
+    return xla_client().custom_call_targets(platform)
+
+
+# -- JAX's compiled steps (checked on 0.11.2, 0.12.0.1) ----------------------------------------
+
+def unloaded_executable(compiled) -> Any:
+    """The ``UnloadedMeshExecutable`` of a ``jax.stages.Compiled`` (devices, callbacks,
+    output avals and shardings, effects)."""
+    return compiled._executable._unloaded_executable
+
+
+def xla_executable(compiled) -> Any:
+    """The jaxlib ``LoadedExecutable`` a ``jax.stages.Compiled`` runs."""
+    return compiled._executable.xla_executable
+
+
+def physical_shard_shapes(avals: Sequence, shardings: Sequence) -> list[tuple[int, ...]]:
+    """Per-device shapes of outputs ``avals`` under ``shardings`` (typed keys as their data)."""
+    from jax._src import core, dtypes
+    from jax._src.sharding_impls import physical_sharding
+
+    out = []
+    for aval, sharding in zip(avals, shardings, strict=True):
+        if dtypes.issubdtype(aval.dtype, dtypes.extended):
+            aval, sharding = core.physical_aval(aval), physical_sharding(aval, sharding)
+        out.append(tuple(sharding.shard_shape(aval.shape)))
+    return out
+
+
+@contextlib.contextmanager
+def lowering_without_local_backend() -> Iterator[None]:
+    """Let JAX lower host callbacks for a platform this machine has no client of.
+
+    JAX's callback lowering asks the module context for the platform's client
+    (``ModuleContext.get_backend``), which a deviceless target does not have (``Unknown
+    backend: 'gpu'``); on GPU platforms the lowering never uses it (only TPU does). Inside
+    this context a missing client is ``None`` instead of an error.
+    """
+    from jax._src.interpreters import mlir
+
+    original = mlir.ModuleContext.get_backend
+
+    def get_backend(self, optional: bool = False):
+        try:
+            return original(self, optional)
+        except RuntimeError:
+            return None
+
+    mlir.ModuleContext.get_backend = get_backend
+    try:
+        yield
+    finally:
+        mlir.ModuleContext.get_backend = original
+
+
+def drop_host_callbacks(lowered) -> int:
+    """Remove the Python host callbacks from a ``jax.stages.Lowered``'s compile arguments
+    (a compile-only client takes none); returns how many were dropped."""
+    args = getattr(getattr(lowered, "_lowering", None), "compile_args", None)
+    if isinstance(args, dict) and args.get("host_callbacks"):
+        n = len(args["host_callbacks"])
+        lowered._lowering.compile_args = {**args, "host_callbacks": []}
+        return n
+    return 0
+
+
+# -- PJRT plugins (checked on 0.11.2, 0.12.0.1) -------------------------------------------------
+
+def topology_platforms() -> frozenset[str]:
+    """Platforms JAX can describe deviceless topologies for (registered plugins)."""
+    from jax._src import xla_bridge as xb
+
+    return frozenset(xb._topology_factories)
+
+
+def discover_pjrt_plugins() -> None:
+    """Run JAX's plugin discovery (``jax_plugins.*``) now."""
+    from jax._src import xla_bridge as xb
+
+    xb._discover_and_register_pjrt_plugins()
+
+
+def backends_initialized() -> bool:
+    """Whether JAX has created its backends (clients) yet."""
+    from jax._src import xla_bridge as xb
+
+    return xb.backends_are_initialized()
+
+
+# -- swapping an executable into JAX's step (checked on 0.11.2, 0.12.0.1) ----------------------
+
+def ifrt_header_length(blob: bytes) -> int:
+    """Bytes of the varint-delimited ``SerializedXlaExecutableMetadata`` at the front of a
+    ``Client.serialize_executable`` blob (the PJRT executable's bytes follow)."""
+    n = shift = i = 0
+    while True:
+        if i >= len(blob) or shift > 63:
+            raise ValueError("not a serialized executable: no varint-delimited IFRT header")
+        b = blob[i]
+        i += 1
+        n |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            if i + n > len(blob):
+                raise ValueError(f"not a serialized executable: header of {n} bytes, blob of {len(blob)}")
+            return i + n
+
+
+def behind_header(original, payload_pjrt: bytes, devices: Sequence, host_callbacks: Sequence = ()):
+    """Load PJRT executable bytes on JAX's client with ``original``'s IFRT metadata.
+
+    IFRT's serialized form is a varint-delimited ``SerializedXlaExecutableMetadata`` (output
+    dtypes, global shapes, shardings, memory kinds, layouts, per-parameter donation; no
+    device ids) followed by the PJRT executable's bytes; at load the runtime takes the
+    outputs' description from the header. With the header of the user's step, outputs
+    come back as that step's global arrays, and JAX's C++ dispatch serves every call.
+
+    The caller must have checked that the payload's signature (per-device parameter and
+    output shapes) is the original's: the runtime does not (a wrong shape runs and fails
+    only when read), and a device count other than the payload's aborts the process.
+
+    Args:
+      original: the jaxlib ``LoadedExecutable`` of the user's step.
+      payload_pjrt: PJRT executable bytes (``serialize_executable`` minus its header, or
+        ``PJRT_Executable_Serialize`` of a deviceless compile).
+      devices: the devices to load on, in the payload's device-assignment order.
+      host_callbacks: the callables the module's host-callback custom calls index.
+    """
+    client = original.client
+    theirs = client.serialize_executable(original)
+    blob = theirs[:ifrt_header_length(theirs)] + payload_pjrt
+    kwargs = {"host_callbacks": list(host_callbacks)} if host_callbacks else {}
+    return client.deserialize_executable(blob, device_list(devices), **kwargs)
+
+
+def pjrt_payload(executable) -> bytes:
+    """The PJRT executable bytes of a jaxlib ``LoadedExecutable`` (its serialization minus the
+    IFRT header)."""
+    blob = executable.client.serialize_executable(executable)
+    return blob[ifrt_header_length(blob):]
+
+
+def swapped_step(original, loaded_executable, *, assemble_outputs: bool):
+    """A ``jax.stages.Compiled`` calling ``loaded_executable`` with ``original``'s convention.
+
+    JAX's own ``MeshExecutable`` machinery is reused (``UnloadedMeshExecutable`` with another
+    ``xla_executable``): argument flattening, unused-argument pruning, donation, output
+    shardings and weak types come out exactly as for the original.
+
+    Args:
+      original: the user's step (``jax.stages.Compiled``).
+      loaded_executable: an executable over the same devices whose outputs the runtime
+        already describes as the step's global arrays (``behind_header``), or, with
+        ``assemble_outputs``, a replicated executable whose outputs it describes per device.
+      assemble_outputs: build every output from its per-device buffers on every call
+        (jaxlib >= 0.11 reads a per-device-described output as a whole: "Shape mismatch
+        during ToLiteral conversion"); costs JAX's Python dispatch on every call.
+    """
+    from jax._src import stages
+
+    unloaded = unloaded_executable(original)
+    ours = dataclasses.replace(unloaded, xla_executable=loaded_executable, pgle_profiler=None)
+    loaded = ours.load()
+    if assemble_outputs:
+        loaded._unsafe_call = _AssembledCall(loaded.unsafe_call)
+    params = original._params
+    return stages.Compiled(loaded, params.const_args, original.args_info, original.out_tree,
+                           original._no_kwargs, params.in_types, params.out_types)
+
+
+class _Assemble:
+    """A result handler that gets an output's per-device arrays (``consume_with_handlers``
+    passes a Python callable the list) and has JAX's C++ handler assemble the global array."""
+
+    __slots__ = ("handler",)
+
+    def __init__(self, handler):
+        self.handler = handler
+
+    def __call__(self, per_device_arrays):
+        return self.handler(per_device_arrays)
+
+    def pre_wrap(self, fn):  # ExecuteReplicated calls it under jax_debug_nans / _infs
+        return _Assemble(self.handler.pre_wrap(fn))
+
+
+class _AssembledCall:
+    """The ``unsafe_call`` of a swapped ``MeshExecutable`` whose outputs are assembled.
+
+    Deliberately not an ``ExecuteReplicated``: ``MeshExecutable.create_cpp_call`` then returns
+    None, so JAX's C++ dispatch, which would wrap the runtime's per-device outputs as global
+    arrays again, never serves this step.
+    """
+
+    __slots__ = ("inner", "__weakref__")
+
+    def __init__(self, inner):
+        from jax._src.interpreters import pxla
+
+        out = inner.out_handler
+        inner.out_handler = pxla.ResultsHandler([_Assemble(h) for h in out.handlers],
+                                                out.out_shardings, out.out_avals)
+        self.inner = inner
+
+    def __call__(self, *args):
+        return self.inner(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)

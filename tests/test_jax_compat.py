@@ -1,0 +1,123 @@
+"""The JAX compatibility layer: the supported range, the fallback on an unchecked JAX, and the
+reload of our executable behind the step's serialization header (JAX's C++ dispatch kept)."""
+
+import warnings
+
+import jax
+import pytest
+
+import concerto_jax
+import hlo_passes
+from concerto_jax import executor, jax_compat
+from concerto_jax.capture import capture
+from tests._helpers import assert_tree_bitwise
+from tests.test_optimize import _mesh, _mlp_step
+
+
+@pytest.mark.parametrize(("version", "parsed"), [
+    ("0.12.0.1", (0, 12, 0, 1)), ("0.11.2", (0, 11, 2)), ("0.13.0rc1", (0, 13, 0)),
+    ("0.12.1.dev20261101", (0, 12, 1)), ("1.0", (1, 0))])
+def test_versions_parse_to_comparable_tuples(version, parsed):
+    assert jax_compat.parse_version(version) == parsed
+
+
+def test_the_installed_jax_is_in_the_checked_range():
+    jax_compat.check_supported()
+    assert jax_compat.MIN_VERSION <= jax_compat.parse_version(jax.__version__) < jax_compat.NEXT_UNCHECKED
+
+
+@pytest.mark.parametrize("versions", [("0.13.0", "0.13.0"), ("0.10.2", "0.10.2"), ("0.12.0.1", "0.13.1")])
+def test_an_unchecked_jax_is_refused_with_what_to_do(monkeypatch, versions):
+    monkeypatch.setattr(jax_compat, "jax_versions", lambda: versions)
+    monkeypatch.delenv(jax_compat.ALLOW_ENV, raising=False)
+    with pytest.raises(jax_compat.UnsupportedJaxVersion, match=r"checked with jax/jaxlib >= 0\.11\.2, < 0\.13"):
+        jax_compat.check_supported()
+    monkeypatch.setenv(jax_compat.ALLOW_ENV, "1")
+    jax_compat.check_supported()  # the user's explicit choice lets it through
+
+
+def test_optimize_on_an_unchecked_jax_runs_the_original_with_one_warning(monkeypatch):
+    monkeypatch.setattr(jax_compat, "jax_versions", lambda: ("0.13.0", "0.13.0"))
+    monkeypatch.delenv(jax_compat.ALLOW_ENV, raising=False)
+    step, make_args = _mlp_step(_mesh())
+    opt = concerto_jax.optimize(step, concerto_jax.Options(passes=("schedule",)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = opt(*make_args())
+        got = opt(*make_args())
+    fallbacks = [w for w in caught if issubclass(w.category, concerto_jax.ConcertoFallbackWarning)]
+    assert len(fallbacks) == 1 and "jax 0.13.0" in str(fallbacks[0].message)
+    assert opt.report().fallback_reason is not None and opt.report().executable == "original"
+    assert_tree_bitwise(got, step(*make_args()))
+    strict = concerto_jax.optimize(step, concerto_jax.Options(passes=("schedule",), fallback=False))
+    with pytest.raises(jax_compat.UnsupportedJaxVersion):
+        strict(*make_args())
+
+
+def test_ifrt_header_length_rejects_what_is_not_a_serialized_executable():
+    with pytest.raises(ValueError, match="no varint-delimited IFRT header"):
+        jax_compat.ifrt_header_length(b"\xff\xff")
+    with pytest.raises(ValueError, match="header of 200 bytes"):
+        jax_compat.ifrt_header_length(bytes([200, 1]) + b"x" * 10)
+    assert jax_compat.ifrt_header_length(bytes([3]) + b"abc" + b"payload") == 4
+
+
+def _recompiled(step, args, opt_passes=("schedule",)):
+    opt = concerto_jax.optimize(step, concerto_jax.Options(passes=opt_passes, always_recompile=True,
+                                                           check_first_step=False))
+    opt(*args)
+    return opt
+
+
+def test_our_executable_runs_behind_the_steps_header_through_jax_dispatch(monkeypatch):
+    """The swapped step is served by JAX's C++ dispatch: ``Compiled.call`` (the Python path)
+    runs for the first call only, as for plain jit, and every output reads back bitwise."""
+    from jax._src import stages
+
+    calls = []
+    real = stages.Compiled.call
+    monkeypatch.setattr(stages.Compiled, "call", staticmethod(
+        lambda *a, **k: calls.append(1) or real(*a, **k)))
+    step, make_args = _mlp_step(_mesh())
+    opt = _recompiled(step, make_args())
+    assert opt.report().executable == "recompiled"
+    calls.clear()
+    params, x = make_args()
+    ref_params, _ = make_args()
+    for _ in range(3):
+        params, value = opt(params, x)
+        ref_params, ref_value = step(ref_params, x)
+        assert_tree_bitwise((params, value), (ref_params, ref_value))
+    assert len(calls) <= 1, f"the Python dispatch path ran {len(calls)} times in 3 calls"
+
+
+def test_without_serialization_outputs_are_assembled_per_call(monkeypatch, caplog):
+    """A client that cannot serialize: every output is assembled from its per-device buffers
+    (one warning in the log), the results are still bitwise those of the step."""
+    def unsupported(executable):
+        raise jax.errors.JaxRuntimeError("UNIMPLEMENTED: serialization")
+
+    monkeypatch.setattr(jax_compat, "pjrt_payload", unsupported)
+    monkeypatch.setattr(executor, "_NO_FAST_PATH", set())
+    step, make_args = _mlp_step(_mesh())
+    with caplog.at_level("WARNING", logger="concerto_jax.executor"):
+        opt = _recompiled(step, make_args())
+    assert sum("assembled per call" in r.message for r in caplog.records) == 1
+    params, x = make_args()
+    ref_params, _ = make_args()
+    for _ in range(2):
+        params, value = opt(params, x)
+        ref_params, ref_value = step(ref_params, x)
+        assert_tree_bitwise((params, value), (ref_params, ref_value))
+
+
+def test_a_module_whose_signature_changed_is_refused_before_loading():
+    step, make_args = _mlp_step(_mesh())
+    text = capture(step, make_args()).hlo_text
+    executor.check_signature(text, hlo_passes.module_to_text(hlo_passes.parse_module(text)))
+    parsed = hlo_passes.parse_module(text)
+    param = parsed.entry.parameters[0]
+    param.shape = hlo_passes.Shape.array(param.shape.dtype, tuple(d + 1 for d in param.shape.dims),
+                                         param.shape.layout)
+    with pytest.raises(executor.ExecutorError, match="entry parameters differ"):
+        executor.check_signature(text, hlo_passes.module_to_text(parsed))
