@@ -51,11 +51,16 @@ def test_tp_mlp_train_steps_bitwise_equal_and_donated():
     opt = concerto_jax.optimize(step)
     p_ref, x = make_args()
     p_opt, _ = make_args()
-    for _ in range(3):
+    for i in range(3):
+        ref_donated, donated = p_ref, p_opt
         p_ref, v_ref = step(p_ref, x)
-        donated = p_opt
         p_opt, v_opt = opt(p_opt, x)
-        assert donated["w1"].is_deleted(), "donated argument must be consumed like the original"
+        # Consumed like the original's: on jaxlib 0.11 a CPU buffer read back to the host
+        # (assert_tree_bitwise below) is shared with NumPy and the runtime keeps it
+        # (donation skipped) for plain jit as well; a fresh one is always consumed.
+        assert donated["w1"].is_deleted() == ref_donated["w1"].is_deleted(), \
+            "donated argument must be consumed like the original's"
+        assert i > 0 or donated["w1"].is_deleted(), "a fresh donated argument must be consumed"
         assert_tree_bitwise((p_opt, v_opt), (p_ref, v_ref))
     rep = opt.report()
     assert rep.optimized and rep.fallback_reason is None

@@ -209,11 +209,15 @@ def test_typed_key_arguments_results_and_donation(impl, path):
     step, make_args = _dropout_step(mesh, impl)
     opt = concerto_jax.optimize(step, PATHS[path])
     ref, got = make_args(), make_args()
-    for _ in range(3):
+    for i in range(3):
+        ref_donated, donated = ref[2], got[2]
         ref = step(*ref)
-        donated = got[2]
         got = opt(*got)
-        assert donated.is_deleted(), "the donated key must be consumed like the original's"
+        # jaxlib 0.11 keeps a CPU buffer read back to the host (assert_tree_bitwise below),
+        # for plain jit as well: the same consumption as the original's is the contract
+        assert donated.is_deleted() == ref_donated.is_deleted(), \
+            "the donated key must be consumed like the original's"
+        assert i > 0 or donated.is_deleted(), "a fresh donated key must be consumed"
         assert_tree_bitwise(got, ref)
         assert got[2].dtype == ref[2].dtype
         assert str(jax.random.key_impl(got[2])) == str(jax.random.key_impl(ref[2])) == impl

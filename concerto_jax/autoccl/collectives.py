@@ -85,11 +85,9 @@ def collective_sites(hlo_text: str) -> list[CollectiveSite]:
             kind = inst.collective_kind
             if kind not in TUNED_KINDS or inst.async_role not in (None, "start"):
                 continue
-            if comp is not entry and _is_async_wrapped(module, comp):
-                continue  # counted at its async-start in the caller
-            groups = inst.replica_groups
-            if groups is None and inst.async_wrapped is not None:
-                groups = inst.async_wrapped.replica_groups
+            if comp is not entry and _is_wrapped(module, comp):
+                continue  # counted at its caller (async-start, or a collective kernel fusion)
+            groups = inst.collective_op.replica_groups
             nranks = len(groups[0]) if groups and groups[0] else None
             in_bytes = sum(op.shape.byte_size for op in inst.operands)
             nbytes = in_bytes * (nranks or 1) if kind == "all-gather" else in_bytes
@@ -97,9 +95,11 @@ def collective_sites(hlo_text: str) -> list[CollectiveSite]:
     return out
 
 
-def _is_async_wrapped(module, comp) -> bool:
+def _is_wrapped(module, comp) -> bool:
+    """Whether ``comp`` is the body of an async wrapper or of a fusion (XLA:GPU's collective
+    kernels, jaxlib >= 0.11, run their collective inside a fusion)."""
     for other in module.computations:
         for inst in other.instructions:
-            if inst.opcode == "async-start" and comp in inst.called_computations:
+            if inst.opcode in ("async-start", "fusion", "fusion-start") and comp in inst.called_computations:
                 return True
     return False
