@@ -216,7 +216,7 @@ def restore_parameter_shardings(partitioned: str, unpartitioned: str | None) -> 
         return partitioned
     for number, k in found.items():
         m = _PARAMETER_RE.match(lines[k])
-        if shardings[number] is None or "sharding=" in m.group(3):
+        if shardings[number] is None or _sharding_attr(m.group(3)) is not None:
             continue
         lines[k] = f"{m.group(1)}, {shardings[number]}{m.group(3)}"
         changed = True

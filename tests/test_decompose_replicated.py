@@ -105,6 +105,42 @@ def test_captured_entry_parameters_keep_their_shardings():
                 assert (keys[i] == keys[j]) == (tiles[i] == tiles[j]), (p.attr("sharding"), i, j)
 
 
+def test_restore_parameter_shardings_copies_only_what_is_missing():
+    """Each entry parameter without a sharding gets its partitioner-input one (by number);
+    one that has a sharding, the other computations and a module whose parameters do not
+    correspond are left alone."""
+    from concerto_jax.capture import restore_parameter_shardings
+
+    before = """HloModule m
+
+%f (a: f32[]) -> f32[] {
+  ROOT %a = f32[] parameter(0), sharding={replicated}
+}
+
+ENTRY %main (x: f32[8,8], y: f32[8]) -> f32[8,8] {
+  %y = f32[8]{0} parameter(1), sharding={mesh['d'=8], [{'d'}]}, metadata={op_name="y"}
+  ROOT %x = f32[8,8]{1,0} parameter(0), sharding={mesh[], replicated}
+}
+"""
+    after = """HloModule m
+
+%f (a: f32[]) -> f32[] {
+  ROOT %a = f32[] parameter(0)
+}
+
+ENTRY %main (x: f32[8,8], y: f32[1]) -> f32[8,8] {
+  %y = f32[1]{0} parameter(1), metadata={op_name="y"}
+  ROOT %x = f32[8,8]{1,0} parameter(0), sharding={replicated}
+}
+"""
+    got = restore_parameter_shardings(after, before)
+    assert "%y = f32[1]{0} parameter(1), sharding={mesh['d'=8], [{'d'}]}, metadata={op_name=\"y\"}" in got
+    assert "ROOT %x = f32[8,8]{1,0} parameter(0), sharding={replicated}\n" in got  # kept its own
+    assert "ROOT %a = f32[] parameter(0)\n" in got  # not an entry parameter
+    assert restore_parameter_shardings(after, before.replace("  %y = f32[8]{0} parameter(1)", "  %y = f32[8]{0} constant(1)")) == after
+    assert restore_parameter_shardings(after, None) == after
+
+
 _MODULE = """HloModule m, num_partitions=8
 
 add {
