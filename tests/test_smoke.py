@@ -30,12 +30,18 @@ def test_capture_and_ir_round_trip(gpt_tp):
     assert hlo_passes.xla_canonical(printed) == hlo_passes.xla_canonical(cap.hlo_text)
 
 
+# "pin" puts opt-barriers around planned windows, which moves XLA:CPU's fusion boundaries; its
+# YNNPACK dot fusions round differently from the separate ops (bitwise again with them off, as
+# below). Where a first step differs, optimize's first-step check runs the original instead.
+ROW_STABLE_DOTS = {"xla_cpu_experimental_ynn_fusion_type": "", "xla_cpu_multi_thread_eigen": False}
+
+
 @pytest.mark.parametrize("name", sorted(pipeline.PASS_TABLE))
 def test_optimize_with_each_pass(gpt_tp, name):
-    reference = gpt_tp.step.lower(gpt_tp.state, gpt_tp.batch).compile(
-        compiler_options={**FAST, **NO_COMBINER})
+    xla = {**FAST, **NO_COMBINER, **(ROW_STABLE_DOTS if name == "pin" else {})}
+    reference = gpt_tp.step.lower(gpt_tp.state, gpt_tp.batch).compile(compiler_options=xla)
     step = concerto_jax.optimize(gpt_tp.step, concerto_jax.Options(
-        passes=(name,), compiler_options={**FAST, **NO_COMBINER}, fallback=False))
+        passes=(name,), compiler_options=xla, fallback=False))
     step(gpt_tp.init_state(0), gpt_tp.batch)
     report = step.report()
     assert report.optimized, report.fallback_reason
