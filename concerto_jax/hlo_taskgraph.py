@@ -86,8 +86,34 @@ def _leaves(shape) -> tuple[ArrayInfo, ...]:
 
 
 def op_info(inst, _cache: dict | None = None) -> OpInfo:
-    """The cost model's view (``OpInfo``) of an ``hlo_passes`` instruction, called computations included."""
+    """The cost model's view (``OpInfo``) of an ``hlo_passes`` instruction, called computations included.
+
+    The start of an async compute pair (XLA >= 0.11 wraps e.g. the dynamic-slice fusions of a
+    loop body: ``async-start(...), calls=%async_computation`` before its post-scheduling
+    pipelines, ``fusion-start(...), kind=kLoop, calls=%fused_...`` after them) is seen as
+    the kernel it launches: its wrapped op (named as the start), its result the wrapped op's
+    (element 1 of the start's tuple; element 0 holds the operands, the last the context).
+    Its done launches nothing (``costmodel.compute.FREE_OPCODES``).
+    """
     cache = {} if _cache is None else _cache
+    wrapped = _async_compute_op(inst)
+    if wrapped is not None:
+        return dataclasses.replace(op_info(wrapped, cache), name=inst.name)
+    if inst.opcode == "fusion-start" and inst.shape.is_tuple and len(inst.shape.elements) >= 2:
+        info = _op_info(inst, cache)
+        return dataclasses.replace(info, opcode="fusion", result=_leaves(inst.shape.elements[1]))
+    return _op_info(inst, cache)
+
+
+def _async_compute_op(inst):
+    """The op the generic ``async-start`` of a non-collective async pair runs, or None."""
+    if inst.opcode != "async-start" or inst.collective_kind is not None:
+        return None
+    wrapped = inst.async_wrapped
+    return None if wrapped is None or wrapped is inst else wrapped
+
+
+def _op_info(inst, cache: dict) -> OpInfo:
     called: dict[str, tuple[OpInfo, ...]] = {}
     for key, value in inst.attrs.items():
         comps = value if isinstance(value, list) else [value]
