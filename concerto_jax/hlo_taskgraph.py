@@ -9,6 +9,12 @@ This is the single bridge between the IR and the scheduling view: XLA's order
   and ``DONE`` events sit at the start's and the done's positions.
 * A synchronous collective becomes one collective task with ``START`` and
   ``DONE`` adjacent.
+* A collective kernel fusion (XLA:GPU >= 0.11 runs small all-reduces as Triton
+  kernels: a ``fusion`` whose root is the all-reduce, synchronous, as
+  ``fusion-start``/``-done``, or wrapped in ``async-start``) is a collective like
+  the others, costed as that kernel (``CostModel.all_reduce_kernel``), not NCCL.
+* The start of an async compute pair (a loop body's dynamic-slice fusion
+  wrapped by XLA >= 0.11) is its wrapped kernel; its done a free compute task.
 * Every other instruction is a compute task costed by ``CostModel.compute_us``
   (fusions walk their fused computation). Pure aliases (``bitcast``,
   ``get-tuple-element``, ``tuple``, ``opt-barrier``) are folded by default:
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from collections.abc import Callable, Mapping
 
 from concerto_jax.costmodel.compute import ArrayInfo, OpInfo
@@ -330,11 +337,25 @@ def build_taskgraph(module, cost_model: CostModel, *, fold_aliases: bool = True,
     return HloTaskGraph(graph, events, task_of, aliases, module.name, entry.name, loop)
 
 
+_KERNEL_STRATEGY = re.compile(r'"kernel_strategy"\s*:\s*"KERNEL_STRATEGY_TRITON_(ONE|TWO)_SHOT"')
+
+
+def kernel_strategy(coll) -> str | None:
+    """``"one_shot"``/``"two_shot"``: the strategy XLA wrote in a kernel all-reduce's
+    ``collective_backend_config`` (None where it wrote none: XLA's rule decides)."""
+    m = _KERNEL_STRATEGY.search(str(coll.attrs.get("backend_config", "")))
+    return None if m is None else f"{m.group(1).lower()}_shot"
+
+
 def _costed_collective(task: Task, kind: str, start, done, cost_model: CostModel, num_devices: int) -> Task:
     coll = _collective_of(start)
     groups = _groups(coll, num_devices)
     nbytes = _payload_bytes(kind, start, done)
-    cost = cost_model.collective(kind, nbytes, groups)
+    if kind == "all-reduce" and start.is_collective_kernel:
+        # XLA:GPU's Triton all-reduce kernel (jaxlib >= 0.11), not NCCL
+        cost = cost_model.all_reduce_kernel(nbytes, groups, kernel_strategy(coll))
+    else:
+        cost = cost_model.collective(kind, nbytes, groups)
     hosts = {cost_model.cluster.host_of(d) for g in groups[:1] for d in g if d < cost_model.cluster.num_devices}
     key = (tuple(tuple(g) for g in groups), coll.attrs.get("to_apply").name if hasattr(coll.attrs.get("to_apply"), "name") else "",
            _leaves(done.shape)[-1].dtype if _leaves(done.shape) else "")
