@@ -14,7 +14,8 @@ This is the single bridge between the IR and the scheduling view: XLA's order
   ``fusion-start``/``-done``, or wrapped in ``async-start``) is a collective like
   the others, costed as that kernel (``CostModel.all_reduce_kernel``), not NCCL.
 * The start of an async compute pair (a loop body's dynamic-slice fusion
-  wrapped by XLA >= 0.11) is its wrapped kernel; its done a free compute task.
+  wrapped by XLA >= 0.11) is its wrapped kernel; its done an alias of it
+  (folded, or a free task of 0 bytes).
 * Every other instruction is a compute task costed by ``CostModel.compute_us``
   (fusions walk their fused computation). Pure aliases (``bitcast``,
   ``get-tuple-element``, ``tuple``, ``opt-barrier``) are folded by default:
@@ -118,6 +119,15 @@ def _async_compute_op(inst):
         return None
     wrapped = inst.async_wrapped
     return None if wrapped is None or wrapped is inst else wrapped
+
+
+def _is_async_compute_done(inst) -> bool:
+    """Whether ``inst`` is the done (or an update) of an async compute pair (``async-start`` of a
+    non-collective op, ``fusion-start``)."""
+    if inst.async_role not in ("done", "update"):
+        return False
+    start = inst.async_start()
+    return start is not None and start.opcode in ("async-start", "fusion-start")
 
 
 def _op_info(inst, cache: dict) -> OpInfo:
@@ -294,7 +304,10 @@ def build_taskgraph(module, cost_model: CostModel, *, fold_aliases: bool = True,
     for inst in entry.instructions:
         role = inst.async_role
         kind = inst.collective_kind
-        if fold_aliases and inst.opcode in ALIAS_OPCODES:
+        # the done of an async compute pair launches nothing and its result is the buffer
+        # the start's kernel wrote: an alias of the start
+        alias = inst.opcode in ALIAS_OPCODES or (kind is None and _is_async_compute_done(inst))
+        if fold_aliases and alias:
             aliases[inst.name] = tuple(sorted(deps(inst)))
             continue
         if kind is not None and role in ("done", "update"):
@@ -318,7 +331,7 @@ def build_taskgraph(module, cost_model: CostModel, *, fold_aliases: bool = True,
                 events.append(Event(i, Phase.DONE))
             continue
         info = op_info(inst, cache)
-        out_bytes = 0 if inst.opcode in ALIAS_OPCODES else info.result_bytes
+        out_bytes = 0 if alias else info.result_bytes
         duration = nested[inst.name] if inst.name in nested else cost_model.compute_us(info)
         i = add(Task(inst.name, TaskKind.COMPUTE, duration, out_bytes=out_bytes,
                      opcode=inst.opcode), deps(inst))
