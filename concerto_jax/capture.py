@@ -11,7 +11,11 @@ jitted function once with XLA's HLO dump switched on for the
   original one;
 * the device assignment (partition ``i`` runs on ``device_list[i]``).
 
-The dump recipe was checked on jax 0.10.2 (see WORKSPACE_NOTES.md).
+The dump recipe was checked on jax 0.10.2, 0.11.2 and 0.12.0.1 (see WORKSPACE_NOTES.md).
+From XLA 0.12 the post-partitioning module no longer carries the entry parameters'
+``sharding`` attributes; they are copied from the partitioner's input (the same dump's
+``before_spmd-partitioning`` module, :func:`restore_parameter_shardings`), since what each
+device holds of a parameter is what ``hlo_passes.uniformity`` proves replication from.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import dataclasses
 import glob
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -30,6 +35,8 @@ log = logging.getLogger(__name__)
 
 _SPMD_DUMP_GLOB = "*after_spmd-partitioning*.txt"
 _UNPARTITIONED_DUMP_GLOB = "*before_optimizations.txt"
+_PARTITIONER_INPUT_GLOB = "*before_spmd-partitioning*.txt"
+_PARAMETER_RE = re.compile(r"^(\s*(?:ROOT\s+)?\S+ = .*? parameter\((\d+)\))(.*)$")
 
 
 class CaptureError(RuntimeError):
@@ -142,6 +149,80 @@ def _read_single(pattern: str, directory: str) -> str | None:
         return f.read()
 
 
+def _entry_lines(text: str) -> tuple[int, int] | None:
+    """``[start, end)`` line indices of the ENTRY computation's body in a dumped module."""
+    lines = text.split("\n")
+    start = next((k for k, line in enumerate(lines) if line.startswith("ENTRY ")), None)
+    if start is None:
+        return None
+    end = next((k for k in range(start + 1, len(lines)) if lines[k].startswith("}")), None)
+    return None if end is None else (start + 1, end)
+
+
+def _sharding_attr(attrs: str) -> str | None:
+    """The ``sharding={...}`` attribute (braces balanced, quotes skipped) in the text after
+    an instruction's operands, or None."""
+    at = attrs.find(", sharding={")
+    if at < 0:
+        return None
+    i = start = at + len(", ")
+    i = attrs.index("{", i)
+    depth, quote = 0, None
+    while i < len(attrs):
+        c = attrs[i]
+        if quote:
+            if c == quote:
+                quote = None
+        elif c in "'\"":
+            quote = c
+        elif c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return attrs[start:i + 1]
+        i += 1
+    return None
+
+
+def restore_parameter_shardings(partitioned: str, unpartitioned: str | None) -> str:
+    """``partitioned`` with each ENTRY parameter that has no ``sharding`` given the one the
+    same parameter has in ``unpartitioned`` (the partitioner's input: the same parameters,
+    by number, at their global shapes).
+
+    XLA up to 0.11 printed the entry parameters' shardings in the module after
+    ``spmd-partitioning``; XLA 0.12 drops them there (they are still on the module it
+    partitioned). Returns ``partitioned`` unchanged when there is nothing to copy or the
+    two modules' entry parameters do not correspond.
+    """
+    if not unpartitioned:
+        return partitioned
+    src_span, dst_span = _entry_lines(unpartitioned), _entry_lines(partitioned)
+    if src_span is None or dst_span is None:
+        return partitioned
+    src_lines = unpartitioned.split("\n")[src_span[0]:src_span[1]]
+    shardings: dict[int, str | None] = {}
+    for line in src_lines:
+        m = _PARAMETER_RE.match(line)
+        if m is not None:
+            shardings[int(m.group(2))] = _sharding_attr(m.group(3))
+    lines = partitioned.split("\n")
+    found, changed = {}, False
+    for k in range(*dst_span):
+        m = _PARAMETER_RE.match(lines[k])
+        if m is not None:
+            found[int(m.group(2))] = k
+    if sorted(found) != sorted(shardings):
+        return partitioned
+    for number, k in found.items():
+        m = _PARAMETER_RE.match(lines[k])
+        if shardings[number] is None or "sharding=" in m.group(3):
+            continue
+        lines[k] = f"{m.group(1)}, {shardings[number]}{m.group(3)}"
+        changed = True
+    return "\n".join(lines) if changed else partitioned
+
+
 def capture(fn: Any, args: tuple, kwargs: Mapping[str, Any] | None = None, *,
             compiler_options: Mapping[str, Any] | None = None,
             keep_dump_dir: str | None = None) -> Capture:
@@ -180,6 +261,8 @@ def capture(fn: Any, args: tuple, kwargs: Mapping[str, Any] | None = None, *,
         options.update(compiler_options or {})
         compiled = lowered.compile(compiler_options=options)
         text = _read_single(_SPMD_DUMP_GLOB, dump_dir)
+        if text is not None:
+            text = restore_parameter_shardings(text, _read_single(_PARTITIONER_INPUT_GLOB, dump_dir))
         if text is None:
             text = _read_single(_UNPARTITIONED_DUMP_GLOB, dump_dir)
         if text is None:

@@ -23,7 +23,7 @@ from hlo_passes.attributes import parse_groups
 
 __all__ = [
     "parse_replica_groups", "format_replica_groups", "replica_groups_form",
-    "expand_iota", "is_partition_of",
+    "expand_iota", "is_partition_of", "parse_mesh_axes", "parse_axis_ref", "mesh_device_array",
 ]
 
 _IOTA_RE = re.compile(
@@ -74,7 +74,9 @@ def _parse_iota(text: str) -> list[list[int]]:
     return array.reshape(groups, size).tolist()
 
 
-def _mesh_device_array(sizes: list[int], ids_text: str | None) -> np.ndarray:
+def mesh_device_array(sizes: list[int], ids_text: str | None) -> np.ndarray:
+    """The device ids of a mesh laid out over its axes (``sizes``): an iota, or the
+    ``device_ids=(...)`` text's list or iota (``[2,4]T(1,0)``)."""
     if not ids_text:
         return np.arange(int(np.prod(sizes))).reshape(sizes)
     m = _TILE_IOTA_RE.match(ids_text.strip())
@@ -88,32 +90,56 @@ def _mesh_device_array(sizes: list[int], ids_text: str | None) -> np.ndarray:
     return np.asarray(_ints(ids_text)).reshape(sizes)
 
 
+def parse_mesh_axes(text: str) -> tuple[list[str], list[int]]:
+    """The axis names and sizes of a mesh's ``'a'=2,'b'=4`` (the text inside ``mesh[...]``;
+    empty for ``mesh[]``).
+
+    Raises:
+      ValueError: an axis is not ``name=size``.
+    """
+    names, sizes = [], []
+    if not text.strip():
+        return names, sizes
+    for part in text.split(","):
+        d = _AXIS_DEF_RE.fullmatch(part)
+        if d is None:
+            raise ValueError(f"bad mesh axis {part!r} in mesh[{text}]")
+        names.append(d.group(1) if d.group(1) is not None else d.group(2))
+        sizes.append(int(d.group(3)))
+    return names, sizes
+
+
+def parse_axis_ref(text: str, names: list[str]) -> tuple[int, tuple[int, int] | None]:
+    """A mesh axis reference ``'a'`` or sub-axis ``'a':(pre)size``: the axis's index in
+    ``names`` and ``(pre, size)`` or None for the whole axis.
+
+    Raises:
+      ValueError: not an axis reference, or an axis the mesh does not have.
+    """
+    r = _AXIS_REF_RE.fullmatch(text)
+    if r is None:
+        raise ValueError(f"bad axis reference {text!r}")
+    name = r.group(1) if r.group(1) is not None else r.group(2)
+    if name not in names:
+        raise ValueError(f"axis {name!r} is not in the mesh {names}")
+    sub = (int(r.group(3)), int(r.group(4))) if r.group(3) is not None else None
+    return names.index(name), sub
+
+
 def _parse_mesh(text: str) -> list[list[int]]:
     m = _MESH_RE.match(text.strip())
     if m is None:
         raise ValueError(
             f"expected mesh replica groups such as mesh['a'=2,'b'=4] {{'b'}}, found {text!r}")
-    names, sizes = [], []
-    for part in m.group("axes").split(","):
-        d = _AXIS_DEF_RE.fullmatch(part)
-        if d is None:
-            raise ValueError(f"bad mesh axis {part!r} in {text!r}")
-        names.append(d.group(1) if d.group(1) is not None else d.group(2))
-        sizes.append(int(d.group(3)))
-    devices = _mesh_device_array(sizes, m.group("ids"))
+    names, sizes = parse_mesh_axes(m.group("axes"))
+    devices = mesh_device_array(sizes, m.group("ids"))
     # Per mesh dimension: the axis refs (full axis or sub-axes) grouped over.
     refs: dict[int, list[tuple[int, int] | None]] = {}
     for part in m.group("group").split(","):
         if not part.strip():
             continue
-        r = _AXIS_REF_RE.fullmatch(part)
-        if r is None:
-            raise ValueError(f"bad axis reference {part!r} in {text!r}")
-        name = r.group(1) if r.group(1) is not None else r.group(2)
-        if name not in names:
-            raise ValueError(f"axis {name!r} is not in the mesh of {text!r}")
-        sub = (int(r.group(3)), int(r.group(4))) if r.group(3) is not None else None
-        refs.setdefault(names.index(name), []).append(sub)
+        dim, sub = parse_axis_ref(part, names)
+        refs.setdefault(dim, []).append(sub)
     # Reshape every mesh dimension into (padding, sub-axis, ...) pieces and
     # collect the pieces grouped over, in mesh-dimension order (as XLA does).
     reshape, grouped = [], []

@@ -7,8 +7,11 @@ for one partition at a time:
 
 * an entry parameter is uniform where its ``sharding`` gives the devices of a group the
   same tile (``{replicated}``, the replicated subgroup of ``last_tile_dim_replicate`` /
-  ``last_tile_dims={replicated}``); ``{maximal ...}``, ``{manual}``, manual subgroups and
-  a parameter without sharding are not;
+  ``last_tile_dims={replicated}``; in the mesh form XLA >= 0.11 prints,
+  ``{mesh['data'=2,'model'=4], [{'data'}, {}]}``, the devices that differ only in axes no
+  dimension is sharded over and none is ``unreduced``); ``{maximal ...}``, ``{manual}``,
+  manual subgroups and a parameter without sharding are not (``capture`` restores the
+  entry parameters' shardings XLA 0.12 no longer prints after partitioning);
 * constants and iotas are; stateful ``rng``, ``custom-call`` (its target is opaque),
   ``infeed``, ``recv``/``send`` and every async op are not;
 * small integer values are evaluated per device (``KNOWN_MAX_ELEMENTS``): ``partition-id``
@@ -40,7 +43,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from hlo_passes.attributes import split_top_level
-from hlo_passes.replica_groups import expand_iota
+from hlo_passes.replica_groups import (
+    expand_iota,
+    mesh_device_array,
+    parse_axis_ref,
+    parse_mesh_axes,
+)
 
 __all__ = ["sharding_tile_keys", "Uniformity", "labels_of_groups"]
 
@@ -61,6 +69,9 @@ _BINARY = {"add": np.add, "subtract": np.subtract, "multiply": np.multiply, "and
 _COMPARE = {"EQ": np.equal, "NE": np.not_equal, "LT": np.less, "LE": np.less_equal,
             "GT": np.greater, "GE": np.greater_equal}
 _DEVICES_RE = re.compile(r"devices=\[([\d,\s]*)\]\s*")
+_MESH_SHARDING_RE = re.compile(
+    r"mesh\[(?P<axes>[^\]]*)\]\s*(?:,\s*device_ids=\((?P<ids>(?:[^()]|\([^()]*\))*)\))?\s*"
+    r"(?:,(?P<rest>.*))?\Z", re.S)
 
 
 def _split_sharding(text: str) -> list[str] | None:
@@ -82,6 +93,8 @@ def _leaf_keys(text: str, num_devices: int) -> np.ndarray:
         body = body[1:-1].strip()
     if body == "replicated":
         return np.zeros(num_devices, dtype=np.int64)
+    if body.startswith("mesh["):
+        return _mesh_leaf_keys(body, num_devices)
     m = _DEVICES_RE.match(body)
     if m is None:  # maximal, manual, unknown, or a form we do not read: not proven
         return distinct
@@ -125,6 +138,58 @@ def _leaf_keys(text: str, num_devices: int) -> np.ndarray:
     if not seen.all():
         return distinct
     # Re-number the keys densely (hash values are only compared for equality).
+    _, dense = np.unique(keys, return_inverse=True)
+    return dense.astype(np.int64)
+
+
+def _mesh_leaf_keys(body: str, num_devices: int) -> np.ndarray:
+    """Tile keys of a mesh-form (named) sharding without its braces, e.g.
+    ``mesh['data'=2,'model'=4], [{'data'}, {}]`` or ``mesh[], replicated``.
+
+    A device's key is its coordinates along the axes (or sub-axes ``'a':(pre)size``) that
+    some dimension is sharded over or that are ``unreduced`` (partial sums differ); axes
+    named nowhere or ``replicated={...}`` do not tell devices apart. Any clause not read
+    here (manual axes, a form of a later XLA) proves nothing: every device its own key.
+    """
+    distinct = np.arange(num_devices)
+    m = _MESH_SHARDING_RE.match(body)
+    if m is None:
+        return distinct
+    try:
+        names, sizes = parse_mesh_axes(m.group("axes"))
+        refs: list[tuple[int, tuple[int, int] | None]] = []
+        for clause in split_top_level(m.group("rest") or ""):
+            if clause == "replicated" or clause.startswith(("replicated=", "metadata=")):
+                continue
+            if clause.startswith("["):  # per dimension: {axes, major first} (``?``: open)
+                axes_text = clause[1:-1] if clause.endswith("]") else None
+                if axes_text is None:
+                    return distinct
+                for dim in split_top_level(axes_text):
+                    if not (dim.startswith("{") and dim.endswith("}")):
+                        return distinct
+                    refs += [parse_axis_ref(a, names) for a in split_top_level(dim[1:-1]) if a != "?"]
+            elif clause.startswith("unreduced=") and clause.endswith("}"):
+                axes_text = clause[len("unreduced="):].strip()
+                if not axes_text.startswith("{"):
+                    return distinct
+                refs += [parse_axis_ref(a, names) for a in split_top_level(axes_text[1:-1])]
+            else:
+                return distinct
+        if not names:  # mesh[]: one tile, every device holds all of it
+            return np.zeros(num_devices, dtype=np.int64) if not refs else distinct
+        devices = mesh_device_array(sizes, m.group("ids"))
+    except ValueError:
+        return distinct
+    if devices.size != num_devices or sorted(devices.reshape(-1).tolist()) != list(range(num_devices)):
+        return distinct
+    keys = np.zeros(num_devices, dtype=np.int64)
+    for index in np.ndindex(*sizes):
+        key = []
+        for axis, sub in refs:
+            c = index[axis]
+            key.append(c if sub is None else (c // sub[0]) % sub[1])
+        keys[int(devices[index])] = hash(tuple(key)) & 0x7FFFFFFFFFFFFFFF
     _, dense = np.unique(keys, return_inverse=True)
     return dense.astype(np.int64)
 

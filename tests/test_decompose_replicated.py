@@ -47,6 +47,64 @@ def test_sharding_tile_keys_read_replicated_subgroups():
     assert same_within(a, TP) and same_within(b, [list(range(8))])
 
 
+def test_sharding_tile_keys_read_mesh_form_shardings():
+    """XLA >= 0.11 prints named shardings (``{mesh['data'=2,'model'=4], [{'data'}, {}]}``,
+    ``{mesh[], replicated}``): devices with equal keys are those that differ only in axes no
+    dimension is sharded over (sub-axes ``'x':(pre)size`` by their own coordinate) and
+    none is ``unreduced``; a clause not read here proves nothing."""
+    shape = hlo_passes.parse_shape("f32[8,8]")
+
+    def classes(text):
+        keys = sharding_tile_keys(text, shape, 8)
+        return sorted(sorted(np.flatnonzero(keys == k).tolist()) for k in np.unique(keys))
+
+    mesh = "mesh['data'=2,'model'=4]"
+    assert classes("{mesh[], replicated}") == [list(range(8))]
+    assert classes(f"{{{mesh}, [{{'data'}}, {{}}]}}") == TP
+    assert classes(f"{{{mesh}, [{{}}, {{'model'}}]}}") == DP
+    assert classes(f"{{{mesh}, [{{'model'}}, {{}}], replicated={{'data'}}}}") == DP
+    for text in (f"{{{mesh}, [{{'data', 'model'}}, {{}}]}}", f"{{{mesh}, [{{'model'}}, {{'data'}}]}}",
+                 f"{{{mesh}, [{{'data'}}, {{}}], unreduced={{'model'}}}}"):
+        assert classes(text) == [[d] for d in range(8)], text
+    # sub-axes: 'x':(1)2 is the minor factor of x (coordinate x % 2), 'x':(4)2 the major one
+    assert classes("{mesh['x'=8], [{'x':(1)2}, {}]}") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert classes("{mesh['x'=8], [{'x':(4)2}, {}]}") == TP
+    # a device order of its own (the replica-group form's device_ids)
+    assert classes(f"{{{mesh}, device_ids=(0,2,4,6,1,3,5,7), [{{'data'}}, {{}}]}}") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    for text in (f"{{{mesh}, [{{'data'}}, {{}}], manual_axes={{'model'}}}}",  # not read: unproven
+                 "{mesh['data'=2,'model'=2], [{'data'}, {}]}",  # 4 devices of 8
+                 "{mesh['d'=2,'e'=4], [{'f'}, {}]}"):  # an axis the mesh lacks
+        assert classes(text) == [[d] for d in range(8)], text
+    tup = hlo_passes.parse_shape("(f32[8,16], s32[])")
+    a, b = sharding_tile_keys(f"{{{{{mesh}, [{{'data'}}, {{}}]}}, {{mesh[], replicated}}}}", tup, 8)
+    assert len(set(a.tolist())) == 2 and len(set(b.tolist())) == 1
+
+
+def test_captured_entry_parameters_keep_their_shardings():
+    """The captured module's entry parameters carry shardings on every supported XLA (0.12
+    drops them after partitioning: ``capture`` copies them from the partitioner's input),
+    and the tile keys read from them group the devices as JAX places the shards (on a mesh
+    whose devices are not in id order)."""
+    devices = np.array(jax.devices()[:8])[[0, 2, 4, 6, 1, 3, 5, 7]].reshape(2, 4)
+    mesh = jax.sharding.Mesh(devices, ("data", "model"))
+    specs = [P(), P("data"), P(None, "model"), P(("data", "model")), P("model", "data")]
+    shardings = [NamedSharding(mesh, s) for s in specs]
+    step = jax.jit(lambda *xs: [x * 2 for x in xs], in_shardings=shardings)
+    args = [jax.device_put(np.zeros((8, 8), np.float32), sh) for sh in shardings]
+    cap = capture(step, tuple(args))
+    params = hlo_passes.parse_module(cap.hlo_text).entry.parameters
+    assert len(params) == len(specs)
+    for p, sh in zip(sorted(params, key=lambda p: p.parameter_number), shardings, strict=True):
+        assert p.attr("sharding") is not None, p
+        keys = sharding_tile_keys(p.attr("sharding"), p.shape, 8)
+        index = sh.devices_indices_map((8, 8))
+        # partition i runs on cap.device_list[i]: equal keys exactly where JAX puts equal tiles
+        tiles = [str(index[d]) for d in cap.device_list]
+        for i in range(8):
+            for j in range(8):
+                assert (keys[i] == keys[j]) == (tiles[i] == tiles[j]), (p.attr("sharding"), i, j)
+
+
 _MODULE = """HloModule m, num_partitions=8
 
 add {

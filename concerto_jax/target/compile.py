@@ -26,6 +26,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 
+from concerto_jax.capture import restore_parameter_shardings
 from concerto_jax.costmodel.cluster import Cluster
 
 log = logging.getLogger(__name__)
@@ -273,6 +274,8 @@ def compile_lowered(lowered, cluster: Cluster, options: CompileOptions = Compile
         before = _read_dump(d, "before_latency-hiding-scheduler") if options.dump_lhs else None
         after = _read_dump(d, "after_latency-hiding-scheduler") if options.dump_lhs else None
         spmd = _read_dump(d, "after_spmd-partitioning") if options.dump_spmd else None
+        if spmd is not None:  # XLA 0.12 drops the entry parameters' shardings after partitioning
+            spmd = restore_parameter_shardings(spmd, _read_dump(d, "before_spmd-partitioning"))
         scheduled = _read_dump(d, SCHEDULED_MARKER) if options.dump_scheduled else None
     opts.pop("xla_dump_to", None)
     log.info("compiled for %s in %.1fs (options %s)", cluster.name, dt, opts)
