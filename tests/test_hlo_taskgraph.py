@@ -225,3 +225,15 @@ def test_async_compute_and_collective_kernel_pairs(text):
     module = hlo_passes.parse_module(text)
     start = next(i for i in module.entry.instructions if i.name == "dss")
     assert compute_time_us(op_info(start), gpu, OPTS.compute) == pytest.approx(g.tasks[idx("dss")].duration_us)
+
+
+def test_final_order_maps_onto_the_async_start_form():
+    """XLA's final module spells the async fusions fusion-start/done where the module its
+    scheduler saw has async-start/done: the same instructions, no opcode mismatch."""
+    from concerto_jax.xla_order import map_order
+
+    cm = CostModel(get_cluster("h100_sxm_8"), OPTS)
+    built = build_taskgraph(hlo_passes.parse_module(ASYNC_BEFORE_PIPELINES), cm)
+    m = map_order(hlo_passes.parse_module(ASYNC_FINAL), built)
+    assert m.opcode_mismatch == () and set(m.extra) == {"e", "sync"}
+    assert m.mapped_events == m.total_events
