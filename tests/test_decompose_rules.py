@@ -199,8 +199,8 @@ def _inputs(module, seed=0):
     return out
 
 
-def _run(text, inputs):
-    exe, _ = compile_replicated(text, jax.devices()[:N_DEV])
+def _run(text, inputs, compiler_options=None):
+    exe, _ = compile_replicated(text, jax.devices()[:N_DEV], compiler_options=compiler_options)
     res = exe.execute_sharded(inputs).disassemble_into_single_device_arrays()
     return [np.asarray(a) for per_out in res for a in per_out]
 
