@@ -9,6 +9,13 @@ This is the single bridge between the IR and the scheduling view: XLA's order
   and ``DONE`` events sit at the start's and the done's positions.
 * A synchronous collective becomes one collective task with ``START`` and
   ``DONE`` adjacent.
+* A collective kernel fusion (XLA:GPU >= 0.11 runs small all-reduces as Triton
+  kernels: a ``fusion`` whose root is the all-reduce, synchronous, as
+  ``fusion-start``/``-done``, or wrapped in ``async-start``) is a collective like
+  the others, costed as that kernel (``CostModel.all_reduce_kernel``), not NCCL.
+* The start of an async compute pair (a loop body's dynamic-slice fusion
+  wrapped by XLA >= 0.11) is its wrapped kernel; its done an alias of it
+  (folded, or a free task of 0 bytes).
 * Every other instruction is a compute task costed by ``CostModel.compute_us``
   (fusions walk their fused computation). Pure aliases (``bitcast``,
   ``get-tuple-element``, ``tuple``, ``opt-barrier``) are folded by default:
@@ -36,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from collections.abc import Callable, Mapping
 
 from concerto_jax.costmodel.compute import ArrayInfo, OpInfo
@@ -86,8 +94,43 @@ def _leaves(shape) -> tuple[ArrayInfo, ...]:
 
 
 def op_info(inst, _cache: dict | None = None) -> OpInfo:
-    """The cost model's view (``OpInfo``) of an ``hlo_passes`` instruction, called computations included."""
+    """The cost model's view (``OpInfo``) of an ``hlo_passes`` instruction, called computations included.
+
+    The start of an async compute pair (XLA >= 0.11 wraps e.g. the dynamic-slice fusions of a
+    loop body: ``async-start(...), calls=%async_computation`` before its post-scheduling
+    pipelines, ``fusion-start(...), kind=kLoop, calls=%fused_...`` after them) is seen as
+    the kernel it launches: its wrapped op (named as the start), its result the wrapped op's
+    (element 1 of the start's tuple; element 0 holds the operands, the last the context).
+    Its done launches nothing (``costmodel.compute.FREE_OPCODES``).
+    """
     cache = {} if _cache is None else _cache
+    wrapped = _async_compute_op(inst)
+    if wrapped is not None:
+        return dataclasses.replace(op_info(wrapped, cache), name=inst.name)
+    if inst.opcode == "fusion-start" and inst.shape.is_tuple and len(inst.shape.elements) >= 2:
+        info = _op_info(inst, cache)
+        return dataclasses.replace(info, opcode="fusion", result=_leaves(inst.shape.elements[1]))
+    return _op_info(inst, cache)
+
+
+def _async_compute_op(inst):
+    """The op the generic ``async-start`` of a non-collective async pair runs, or None."""
+    if inst.opcode != "async-start" or inst.collective_kind is not None:
+        return None
+    wrapped = inst.async_wrapped
+    return None if wrapped is None or wrapped is inst else wrapped
+
+
+def _is_async_compute_done(inst) -> bool:
+    """Whether ``inst`` is the done (or an update) of an async compute pair (``async-start`` of a
+    non-collective op, ``fusion-start``)."""
+    if inst.async_role not in ("done", "update"):
+        return False
+    start = inst.async_start()
+    return start is not None and start.opcode in ("async-start", "fusion-start")
+
+
+def _op_info(inst, cache: dict) -> OpInfo:
     called: dict[str, tuple[OpInfo, ...]] = {}
     for key, value in inst.attrs.items():
         comps = value if isinstance(value, list) else [value]
@@ -261,7 +304,10 @@ def build_taskgraph(module, cost_model: CostModel, *, fold_aliases: bool = True,
     for inst in entry.instructions:
         role = inst.async_role
         kind = inst.collective_kind
-        if fold_aliases and inst.opcode in ALIAS_OPCODES:
+        # the done of an async compute pair launches nothing and its result is the buffer
+        # the start's kernel wrote: an alias of the start
+        alias = inst.opcode in ALIAS_OPCODES or (kind is None and _is_async_compute_done(inst))
+        if fold_aliases and alias:
             aliases[inst.name] = tuple(sorted(deps(inst)))
             continue
         if kind is not None and role in ("done", "update"):
@@ -285,7 +331,7 @@ def build_taskgraph(module, cost_model: CostModel, *, fold_aliases: bool = True,
                 events.append(Event(i, Phase.DONE))
             continue
         info = op_info(inst, cache)
-        out_bytes = 0 if inst.opcode in ALIAS_OPCODES else info.result_bytes
+        out_bytes = 0 if alias else info.result_bytes
         duration = nested[inst.name] if inst.name in nested else cost_model.compute_us(info)
         i = add(Task(inst.name, TaskKind.COMPUTE, duration, out_bytes=out_bytes,
                      opcode=inst.opcode), deps(inst))
@@ -304,11 +350,25 @@ def build_taskgraph(module, cost_model: CostModel, *, fold_aliases: bool = True,
     return HloTaskGraph(graph, events, task_of, aliases, module.name, entry.name, loop)
 
 
+_KERNEL_STRATEGY = re.compile(r'"kernel_strategy"\s*:\s*"KERNEL_STRATEGY_TRITON_(ONE|TWO)_SHOT"')
+
+
+def kernel_strategy(coll) -> str | None:
+    """``"one_shot"``/``"two_shot"``: the strategy XLA wrote in a kernel all-reduce's
+    ``collective_backend_config`` (None where it wrote none: XLA's rule decides)."""
+    m = _KERNEL_STRATEGY.search(str(coll.attrs.get("backend_config", "")))
+    return None if m is None else f"{m.group(1).lower()}_shot"
+
+
 def _costed_collective(task: Task, kind: str, start, done, cost_model: CostModel, num_devices: int) -> Task:
     coll = _collective_of(start)
     groups = _groups(coll, num_devices)
     nbytes = _payload_bytes(kind, start, done)
-    cost = cost_model.collective(kind, nbytes, groups)
+    if kind == "all-reduce" and start.is_collective_kernel:
+        # XLA:GPU's Triton all-reduce kernel (jaxlib >= 0.11), not NCCL
+        cost = cost_model.all_reduce_kernel(nbytes, groups, kernel_strategy(coll))
+    else:
+        cost = cost_model.collective(kind, nbytes, groups)
     hosts = {cost_model.cluster.host_of(d) for g in groups[:1] for d in g if d < cost_model.cluster.num_devices}
     key = (tuple(tuple(g) for g in groups), coll.attrs.get("to_apply").name if hasattr(coll.attrs.get("to_apply"), "name") else "",
            _leaves(done.shape)[-1].dtype if _leaves(done.shape) else "")

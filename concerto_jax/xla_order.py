@@ -56,6 +56,13 @@ def _first_event(graph, i: int):
     return Event(i, Phase.START if graph.tasks[i].is_collective else Phase.RUN)
 
 
+def _async_form(opcode: str) -> str:
+    """``opcode`` with XLA's two spellings of an async fusion made one: the generic
+    ``async-start``/``-done`` before its post-scheduling pipelines, ``fusion-start``/``-done``
+    in its final module (jaxlib >= 0.11)."""
+    return {"fusion-start": "async-start", "fusion-done": "async-done"}.get(opcode, opcode)
+
+
 def order_by_priority(graph, key: dict) -> tuple[list, int]:
     """The valid schedule closest to ``key`` (event -> priority, lower first).
 
@@ -130,7 +137,7 @@ def map_order(module, built, base_events: Sequence | None = None) -> MappedOrder
         if task.is_collective:
             if inst.collective_kind != task.collective.op:
                 mismatch.append(name)
-        elif own_opcode[name] != inst.opcode:
+        elif _async_form(own_opcode[name]) != _async_form(inst.opcode):
             mismatch.append(name)
         role = inst.async_role
         if not task.is_collective:

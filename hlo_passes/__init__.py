@@ -35,7 +35,9 @@ Public API (stable; other packages build on it):
   list/iota/mesh forms; settable), ``source_target_pairs``, ``custom_call_target``,
   ``metadata``/``sharding``/``backend_config``/``frontend_attributes`` (raw),
   ``literal`` (constants), ``parameter_number``, ``is_collective``,
-  ``collective_kind``, ``async_role``, ``async_start()``, ``async_wrapped``
+  ``collective_kind``, ``async_role``, ``async_start()``, ``async_wrapped``,
+  ``collective_op`` (the op carrying a collective's groups, through wrappers),
+  ``is_collective_kernel`` (XLA:GPU's Triton all-reduce kernels, any form)
 * ``Shape`` (``dtype``, ``dims``, ``layout``, ``elements``, ``is_tuple``,
   ``byte_size``, ``without_layout()``), ``parse_shape(text)``
 * ``parse_replica_groups(text)``, ``format_replica_groups(groups)``

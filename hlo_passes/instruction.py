@@ -280,6 +280,28 @@ class Instruction:
         """True for collectives and the members of their async families."""
         return self.collective_kind is not None
 
+    @property
+    def is_collective_kernel(self) -> bool:
+        """True for a collective kernel fusion (XLA:GPU >= 0.11 runs small all-reduces as
+        Triton kernels that read the peers' buffers over NVLink) in any form: a synchronous
+        ``fusion``, ``fusion-start``/``-done``, or the ``async-start``/``-done`` wrapping one."""
+        if self.opcode == "fusion":
+            return _fused_collective(self) is not None
+        if self.async_role is None:
+            return False
+        start = self if self.async_role == "start" else self.async_start()
+        if start is None:
+            return False
+        if start.opcode == "fusion-start":
+            return _fused_collective(start) is not None
+        if start.opcode != "async-start":
+            return False
+        comps = start.called_computations
+        if not comps or comps[0].root is None:
+            return False
+        op = _root_op(comps[0])
+        return op.opcode == "fusion" and _fused_collective(op) is not None
+
 
 _WRAPPER_OPCODES = frozenset({"parameter", "tuple", "get-tuple-element", "bitcast"})
 

@@ -14,6 +14,8 @@
 * ``dp_mlp_step``: a data-parallel MLP train step on the 8-device CPU mesh with one
   gradient all-reduce per layer.
 * ``run_bitwise_steps``: run a compiled reference and an optimised step side by side.
+* ``collective_issues``: the collectives an XLA module issues, whatever form it prints them
+  in (XLA >= 0.11 prints small all-reduces as Triton collective kernel fusions).
 """
 
 from __future__ import annotations
@@ -123,3 +125,28 @@ def dp_mlp_step(layers: int = 4, batch: int = 32):
     ws = [jax.device_put(jax.random.normal(k, (64, 64)) * 0.1, rep) for k in ks[:layers]]
     x = jax.device_put(jax.random.normal(ks[-1], (batch, 64)), dat)
     return step, ws, x
+
+
+def collective_issues(text: str, kind: str | None = None, computation: str | None = None) -> list[tuple]:
+    """``(instruction, collective op, is_async)`` for every collective the module ``text``
+    issues (of ``kind`` if given; in ``computation`` if given, else in every computation that
+    runs as a sequence of ops: ``hlo_passes.loops.schedulable_computations``): a synchronous collective, the start of an async
+    pair (sugared ``all-reduce-start`` or generic ``async-start``), or a collective kernel
+    fusion (XLA >= 0.11 makes small all-reduces Triton kernels: a ``fusion`` whose root is the
+    all-reduce, run synchronously, as ``fusion-start``/``fusion-done``, or wrapped in an
+    ``async-start``). The collective op carries the replica groups and the payload's shape."""
+    import hlo_passes
+    from hlo_passes.loops import schedulable_computations
+
+    module = hlo_passes.parse_module(text)
+    # not the computations a wrapper runs (async bodies, fused computations): their ops are
+    # counted through the wrapper
+    comps = [module.computation(computation)] if computation else schedulable_computations(module)
+    out = []
+    for comp in comps:
+        for inst in comp.instructions:
+            k = inst.collective_kind
+            if k is None or inst.async_role in ("done", "update") or (kind is not None and k != kind):
+                continue
+            out.append((inst, inst.collective_op, inst.async_role == "start"))
+    return out

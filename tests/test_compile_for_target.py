@@ -8,6 +8,7 @@ import pytest
 
 import concerto_jax
 from concerto_jax.target import gpu_plugin_available
+from tests._helpers import collective_issues
 
 needs_plugin = pytest.mark.skipif(not gpu_plugin_available(), reason="CUDA PJRT plugin missing: pip install -e .[gpu]")
 
@@ -58,7 +59,10 @@ def test_compile_for_target_pins_and_measures(tmp_path):
     pin = res.passes[1].stats
     assert pin["pinned"] >= 1 and pin["pinned"] + pin["skipped"] == pin["windows"]
     assert (tmp_path / "emitted.hlo").read_text().count("opt-barrier(") == 2 * pin["pinned"]
-    assert "is_scheduled=true" in res.final_text and "all-reduce-start" in res.final_text
+    # XLA's final module runs the gradient all-reduces asynchronously (jaxlib >= 0.11 prints the
+    # small ones as Triton collective kernels, fusion-start/done, instead of all-reduce-start)
+    assert "is_scheduled=true" in res.final_text
+    assert any(is_async for _, _, is_async in collective_issues(res.final_text, "all-reduce"))
     assert min(res.planned_step_us, res.final_step_us, res.stock_step_us) > 0
     assert res.final_step_us <= res.stock_step_us
     if res.fallback_reason is None:  # XLA's module of our pinned program is the faster
@@ -480,9 +484,10 @@ def test_combine_thresholds_keep_the_fastest_plan():
         assert not rec.changed and rec.stats["chosen"] is None
         assert tuned.planned_step_us == pytest.approx(current, abs=0.11)
     assert tuned.planned_step_us <= plain.planned_step_us + 0.11
-    # nothing combined: one all-reduce per gradient in XLA's final module
+    # nothing combined: one all-reduce per gradient in XLA's final module (in whatever form
+    # XLA prints it: all-reduce-start, or a collective kernel fusion on jaxlib >= 0.11)
     if rec.stats["chosen"] == {"all-reduce": 1}:
-        assert tuned.final_text.count("all-reduce-start(") >= 6
+        assert len(collective_issues(tuned.final_text, "all-reduce")) >= 6
     with pytest.raises(ValueError, match="combine_thresholds"):
         concerto_jax.Options(combine_thresholds=(-1,))
     with pytest.raises(TypeError, match="combine_per_kind"):

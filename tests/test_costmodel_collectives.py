@@ -66,3 +66,32 @@ def test_placement_network_vs_nvlink():
 
 def test_single_device_group_is_free():
     assert collective_cost("all-reduce", 1e6, [3], get_cluster("h100_sxm_8")).time_us == 0
+
+
+def test_all_reduce_kernel_strategy_and_cost():
+    """XLA:GPU's Triton all-reduce kernel (jaxlib >= 0.11): one-shot while it reads at most
+    2 MiB (every rank reads all peers' buffers), two-shot above (a reduce-scatter and an
+    all-gather through symmetric memory); across hosts there is no kernel (NCCL)."""
+    from concerto_jax.costmodel.collectives import all_reduce_kernel_cost, all_reduce_kernel_strategy
+
+    c = get_cluster("h100_sxm_8")
+    assert all_reduce_kernel_strategy(256 << 10, 8) == "one_shot"
+    assert all_reduce_kernel_strategy((256 << 10) + 1, 8) == "two_shot"
+    bw = 450e9 * CollectiveOptions().link_efficiency
+    hop = c.intra_link.hop_us("ring")[0]
+    one = all_reduce_kernel_cost(256 << 10, range(8), c, launch_us=2.0)
+    assert one.protocol == "one_shot" and one.time_us == pytest.approx(2.0 + hop + 1e6 * 7 * (256 << 10) / bw)
+    two = all_reduce_kernel_cost(1 << 20, range(8), c, launch_us=2.0)
+    assert two.protocol == "two_shot"
+    assert two.time_us == pytest.approx(2.0 + 2 * hop + 1e6 * 2 * 7 / 8 * (1 << 20) / bw)
+    # XLA's recorded strategy wins over the rule
+    assert all_reduce_kernel_cost(1 << 20, range(8), c, "one_shot").protocol == "one_shot"
+    # cheaper than NCCL's ring/tree for the sizes XLA gives it (fewer latency steps)
+    for nbytes in (64 << 10, 256 << 10, 1 << 20, 4 << 20):
+        assert all_reduce_kernel_cost(nbytes, range(8), c, launch_us=2.0).time_us < \
+            collective_cost("all-reduce", nbytes, range(8), c).time_us
+    two_hosts = get_cluster("h100_sxm_2x8")
+    assert all_reduce_kernel_cost(1 << 20, range(16), two_hosts) == \
+        collective_cost("all-reduce", 1 << 20, range(16), two_hosts)
+    with pytest.raises(ValueError, match="strategy"):
+        all_reduce_kernel_cost(1 << 20, range(8), c, "three_shot")

@@ -102,3 +102,138 @@ def test_mesh_replica_groups_with_transposed_device_ids():
 
     raw = "mesh['axis_0'=8,'axis_1'=1,'axis_2'=2], device_ids=([2,8]T(1,0)) {'axis_2'}"
     assert parse_replica_groups(raw) == [[i, i + 8] for i in range(8)]
+
+
+# XLA >= 0.11 (jaxlib 0.11.2, 0.12.0.1): a loop body's dynamic-slice fusion runs as an async
+# compute pair, and a small all-reduce as a Triton collective kernel (a fusion whose root is the
+# all-reduce). Before XLA's post-scheduling pipelines both are generic ``async-start`` wrappers;
+# after them, ``fusion-start``/``fusion-done``.
+_ASYNC_COMMON = """
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%fused_ds (p0: f32[8,1024,1024], p1: s32[]) -> f32[1,1024,1024] {
+  %p0 = f32[8,1024,1024]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  ROOT %ds = f32[1,1024,1024]{2,1,0} dynamic-slice(%p0, %p1, %z, %z), dynamic_slice_sizes={1,1024,1024}
+}
+
+%fused_ar (q0: f32[1024,1024]) -> f32[1024,1024] {
+  %q0 = f32[1024,1024]{1,0} parameter(0)
+  ROOT %ar = f32[1024,1024]{1,0} all-reduce(%q0), channel_id=1, replica_groups={{0,1,2,3}}, use_global_device_ids=true, to_apply=%add
+}
+"""
+
+ASYNC_BEFORE_PIPELINES = """
+HloModule m, is_scheduled=true, num_partitions=8
+""" + _ASYNC_COMMON + """
+%async_ds (r0: f32[8,1024,1024], r1: s32[]) -> f32[1,1024,1024] {
+  %r0 = f32[8,1024,1024]{2,1,0} parameter(0)
+  %r1 = s32[] parameter(1)
+  ROOT %dsf = f32[1,1024,1024]{2,1,0} fusion(%r0, %r1), kind=kLoop, calls=%fused_ds
+}
+
+%async_ar (s0: f32[1024,1024]) -> f32[1024,1024] {
+  %s0 = f32[1024,1024]{1,0} parameter(0)
+  ROOT %arf = f32[1024,1024]{1,0} fusion(%s0), kind=kCustom, calls=%fused_ar, backend_config={"fusion_backend_config":{"kind":"__triton_collective"}}
+}
+
+ENTRY %main (a: f32[8,1024,1024], i: s32[], c: f32[1024,1024]) -> (f32[1,1024,1024], f32[1024,1024]) {
+  %a = f32[8,1024,1024]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %c = f32[1024,1024]{1,0} parameter(2)
+  %dss = ((f32[8,1024,1024]{2,1,0}, s32[]), f32[1,1024,1024]{2,1,0}, u32[]) async-start(%a, %i), calls=%async_ds
+  %ars = ((f32[1024,1024]{1,0}), f32[1024,1024]{1,0}) async-start(%c), calls=%async_ar
+  %dsd = f32[1,1024,1024]{2,1,0} async-done(%dss)
+  %ard = f32[1024,1024]{1,0} async-done(%ars)
+  ROOT %t = (f32[1,1024,1024]{2,1,0}, f32[1024,1024]{1,0}) tuple(%dsd, %ard)
+}
+"""
+
+ASYNC_FINAL = """
+HloModule m, is_scheduled=true, num_partitions=8
+""" + _ASYNC_COMMON + """
+ENTRY %main (a: f32[8,1024,1024], i: s32[], c: f32[1024,1024], e: f32[1024,1024]) -> (f32[1,1024,1024], f32[1024,1024], f32[1024,1024]) {
+  %a = f32[8,1024,1024]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %c = f32[1024,1024]{1,0} parameter(2)
+  %e = f32[1024,1024]{1,0} parameter(3)
+  %dss = ((f32[8,1024,1024]{2,1,0}, s32[]), f32[1,1024,1024]{2,1,0}, u32[]) fusion-start(%a, %i), kind=kLoop, calls=%fused_ds
+  %ars = ((f32[1024,1024]{1,0}), f32[1024,1024]{1,0}) fusion-start(%c), kind=kCustom, calls=%fused_ar, backend_config={"fusion_backend_config":{"kind":"__triton_collective"}}
+  %dsd = f32[1,1024,1024]{2,1,0} fusion-done(%dss)
+  %ard = f32[1024,1024]{1,0} fusion-done(%ars)
+  %sync = f32[1024,1024]{1,0} fusion(%e), kind=kCustom, calls=%fused_ar, backend_config={"fusion_backend_config":{"kind":"__triton_collective"}}
+  ROOT %t = (f32[1,1024,1024]{2,1,0}, f32[1024,1024]{1,0}, f32[1024,1024]{1,0}) tuple(%dsd, %ard, %sync)
+}
+"""
+
+ASYNC_SYNC_DS = """
+HloModule m, is_scheduled=true, num_partitions=8
+""" + _ASYNC_COMMON + """
+ENTRY %main (a: f32[8,1024,1024], i: s32[]) -> f32[1,1024,1024] {
+  %a = f32[8,1024,1024]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  ROOT %dsf = f32[1,1024,1024]{2,1,0} fusion(%a, %i), kind=kLoop, calls=%fused_ds
+}
+"""
+
+
+@pytest.mark.parametrize("text", [ASYNC_BEFORE_PIPELINES, ASYNC_FINAL], ids=["async-start", "fusion-start"])
+def test_async_compute_and_collective_kernel_pairs(text):
+    """An async compute pair costs its wrapped kernel once, at its start (the slice it reads,
+    not the whole operand tuple), and its done nothing; a collective kernel fusion pair (or a
+    synchronous one) is one collective task with its replica groups."""
+    from concerto_jax.costmodel.compute import compute_time_us
+
+    cm = CostModel(get_cluster("h100_sxm_8"), OPTS)
+    hg = build_taskgraph(hlo_passes.parse_module(text), cm)
+    g, idx = hg.graph, hg.graph.index
+    gpu = get_cluster("h100_sxm_8").gpu_spec
+    # the start costs what the same fusion costs synchronously (well under the operand tuple's
+    # 32 MiB: the slice is read and written)
+    sync = hlo_passes.parse_module(ASYNC_SYNC_DS)
+    expected = build_taskgraph(sync, cm).graph.tasks[build_taskgraph(sync, cm).graph.index("dsf")].duration_us
+    assert g.tasks[idx("dss")].duration_us == pytest.approx(expected)
+    assert expected < 1e6 * 8 * 1024 * 1024 * 4 / gpu.hbm_bytes_per_s / 2
+    assert not g.tasks[idx("dss")].is_collective
+    assert g.tasks[idx("dss")].out_bytes == 1024 * 1024 * 4  # the slice, not the operand tuple
+    # the done is an alias of the start (folded), or a free task of no bytes
+    assert "dsd" not in hg.task_of and hg.aliases["dsd"] == (idx("dss"),)
+    unfolded = build_taskgraph(hlo_passes.parse_module(text), cm, fold_aliases=False)
+    dsd = unfolded.graph.tasks[unfolded.graph.index("dsd")]
+    assert dsd.duration_us == 0 and dsd.out_bytes == 0
+    assert unfolded.graph.preds[unfolded.graph.index("dsd")] == (unfolded.graph.index("dss"),)
+    ars = g.tasks[idx("ars")]
+    assert ars.is_collective and hg.task_of["ard"] == idx("ars")
+    assert ars.collective.op == "all-reduce" and ars.collective.bytes == 1024 * 1024 * 4
+    assert ars.collective.group_size == 4
+    # costed as XLA's Triton kernel (4 ranks x 4 MiB read: two-shot), not as NCCL's ring/tree
+    kernel = cm.all_reduce_kernel(1024 * 1024 * 4, [[0, 1, 2, 3]])
+    assert kernel.protocol == "two_shot" and ars.duration_us == pytest.approx(kernel.time_us)
+    assert ars.duration_us < cm.collective("all-reduce", 1024 * 1024 * 4, [[0, 1, 2, 3]]).time_us
+    phases = [(g.tasks[e.task].name, e.phase) for e in hg.events if g.tasks[e.task].name in ("ars", "dss")]
+    assert phases == [("dss", Phase.RUN), ("ars", Phase.START), ("ars", Phase.DONE)]
+    if "sync" in hg.task_of:
+        assert g.tasks[idx("sync")].is_collective and g.tasks[idx("sync")].duration_us == ars.duration_us
+    # the flat cost of a loop around the pair counts the wrapped kernel, not the wrapper's tuple
+    from concerto_jax.hlo_taskgraph import op_info
+
+    module = hlo_passes.parse_module(text)
+    start = next(i for i in module.entry.instructions if i.name == "dss")
+    assert compute_time_us(op_info(start), gpu, OPTS.compute) == pytest.approx(g.tasks[idx("dss")].duration_us)
+
+
+def test_final_order_maps_onto_the_async_start_form():
+    """XLA's final module spells the async fusions fusion-start/done where the module its
+    scheduler saw has async-start/done: the same instructions, no opcode mismatch."""
+    from concerto_jax.xla_order import map_order
+
+    cm = CostModel(get_cluster("h100_sxm_8"), OPTS)
+    built = build_taskgraph(hlo_passes.parse_module(ASYNC_BEFORE_PIPELINES), cm)
+    m = map_order(hlo_passes.parse_module(ASYNC_FINAL), built)
+    assert m.opcode_mismatch == () and set(m.extra) == {"e", "sync"}
+    assert m.mapped_events == m.total_events

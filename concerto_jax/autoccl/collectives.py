@@ -73,21 +73,29 @@ def collective_sites(hlo_text: str) -> list[CollectiveSite]:
     """All-reduces, all-gathers and reduce-scatters of a compiled module (``compiled.as_text()``).
 
     Sync ops and async starts count once (dones and updates are skipped); the
-    generic ``async-start`` form is resolved to the op it wraps.
+    generic ``async-start`` form is resolved to the op it wraps. Collective kernel
+    fusions (XLA:GPU >= 0.11 runs small all-reduces as Triton kernels over NVLink) are
+    left out: they never call NCCL, so the tuner plugin does not see them and counting
+    them would shift the occurrence indices of the collectives it does see.
     """
     from hlo_passes.parser import parse_module
 
     module = parse_module(hlo_text)
     entry = module.entry
+    wrapped = _wrapped_computations(module)
     out: list[CollectiveSite] = []
     for comp in [entry] + [c for c in module.computations if c is not entry]:
+        if comp is not entry and comp.name in wrapped:
+            continue  # counted at its async-start in the caller, or a collective kernel's body
         for inst in comp.instructions:
             kind = inst.collective_kind
             if kind not in TUNED_KINDS or inst.async_role not in (None, "start"):
                 continue
-            if comp is not entry and _is_wrapped(module, comp):
-                continue  # counted at its caller (async-start, or a collective kernel fusion)
-            groups = inst.collective_op.replica_groups
+            if inst.is_collective_kernel:
+                continue
+            groups = inst.replica_groups
+            if groups is None and inst.async_wrapped is not None:
+                groups = inst.async_wrapped.replica_groups
             nranks = len(groups[0]) if groups and groups[0] else None
             in_bytes = sum(op.shape.byte_size for op in inst.operands)
             nbytes = in_bytes * (nranks or 1) if kind == "all-gather" else in_bytes
@@ -95,11 +103,8 @@ def collective_sites(hlo_text: str) -> list[CollectiveSite]:
     return out
 
 
-def _is_wrapped(module, comp) -> bool:
-    """Whether ``comp`` is the body of an async wrapper or of a fusion (XLA:GPU's collective
-    kernels, jaxlib >= 0.11, run their collective inside a fusion)."""
-    for other in module.computations:
-        for inst in other.instructions:
-            if inst.opcode in ("async-start", "fusion", "fusion-start") and comp in inst.called_computations:
-                return True
-    return False
+def _wrapped_computations(module) -> set[str]:
+    """Names of the computations an ``async-start`` or a fusion runs (their collectives are
+    counted, or left out, at the wrapper)."""
+    return {c.name for inst in module.instructions()
+            if inst.opcode in ("async-start", "fusion", "fusion-start") for c in inst.called_computations}

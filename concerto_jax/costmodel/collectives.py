@@ -23,6 +23,25 @@ takes the fastest, as NCCL's tuner does from its own cost table.
   not measured: nccl-tests on 8x H100 SXM report about 360-370 GB/s all-reduce
   busbw of 450, i.e. ~0.8).
 
+XLA:GPU's **all-reduce kernels** (jaxlib >= 0.11 on Hopper or newer: a small all-reduce
+within one NVLink host runs as a Triton "collective kernel" fusion instead of NCCL;
+``all_reduce_kernel_cost``). Each rank exposes its input in symmetric memory and reads the
+peers' copies over NVLink, no NCCL ring:
+
+* one-shot (read size ``n x bytes`` up to 2 MiB): every rank reads all ``n - 1`` peers'
+  buffers whole and reduces locally: ``(n - 1) x bytes`` over its link, one signal round;
+* two-shot (up to 32 MiB read): every rank reduces its ``1/n`` slice from all peers, then
+  gathers the other reduced slices: ``2 (n - 1)/n x bytes``, two signal rounds.
+
+``time = launch + rounds x signal + link bytes / (link bandwidth x link_efficiency)``: the
+launch is the compute kernels' launch overhead, a signal round one flag store and poll over
+the link (NCCL's LL per-hop latency on that link, the same mechanism). Assumed, not measured
+(no GPU lent): the kernel's 32 blocks pull at the link's rate, and its local HBM traffic
+(the input copied to symmetric memory, the output written) hides under the link transfer.
+The strategy rule and the size limits are XLA's (``xla/backends/gpu/runtime/all_reduce.cc``:
+``GetAllReduceStrategy``, ``kMaxOneShotAllReduceSizeBytes``, ``kMaxTwoShotAllReduceSizeBytes``;
+``sync_count_increment = 1 + strategy``).
+
 References: NCCL ``src/graph/tuning.cc`` (latencies, protocol model);
 nccl-tests ``doc/PERFORMANCE.md`` (bus bandwidth); Thakur et al., "Optimization
 of Collective Communication Operations in MPICH" (IJHPCA 2005).
@@ -168,3 +187,37 @@ def collective_time_us(op: str, nbytes: float, group: Sequence[int], cluster: Cl
                        options: CollectiveOptions = CollectiveOptions()) -> float:
     """Shorthand for ``collective_cost(...).time_us``."""
     return collective_cost(op, nbytes, group, cluster, options).time_us
+
+
+KERNEL_ONE_SHOT_MAX_READ_BYTES = 2 << 20
+"""XLA ``kMaxOneShotAllReduceSizeBytes``: largest ``n x bytes`` an all-reduce kernel reads one-shot."""
+KERNEL_TWO_SHOT_MAX_READ_BYTES = 32 << 20
+"""XLA ``kMaxTwoShotAllReduceSizeBytes``: largest ``n x bytes`` of an all-reduce kernel at all."""
+KERNEL_STRATEGIES = ("one_shot", "two_shot")
+
+
+def all_reduce_kernel_strategy(nbytes: float, n: int) -> str:
+    """The strategy XLA gives an all-reduce kernel of ``nbytes`` per rank over ``n`` ranks
+    (``GetAllReduceStrategy``, multimem off): one-shot while it reads at most 2 MiB."""
+    return "one_shot" if nbytes * n <= KERNEL_ONE_SHOT_MAX_READ_BYTES else "two_shot"
+
+
+def all_reduce_kernel_cost(nbytes: float, group: Sequence[int], cluster: Cluster,
+                           strategy: str | None = None, launch_us: float = 0.0,
+                           options: CollectiveOptions = CollectiveOptions()) -> CollectiveCost:
+    """Time of XLA:GPU's all-reduce kernel (module docstring) moving ``nbytes`` per device over
+    ``group``; ``strategy`` ``"one_shot"``/``"two_shot"`` as XLA chose it (None: XLA's rule).
+    A group spanning hosts has no such kernel (XLA uses NCCL there): ``collective_cost``."""
+    n, hosts, _ = _placement(group, cluster)
+    if n <= 1 or nbytes <= 0:
+        return CollectiveCost(0.0, "none", "none", 0.0, 0.0)
+    if hosts > 1:
+        return collective_cost("all-reduce", nbytes, group, cluster, options)
+    strategy = strategy or all_reduce_kernel_strategy(nbytes, n)
+    if strategy not in KERNEL_STRATEGIES:
+        raise ValueError(f"unknown all-reduce kernel strategy {strategy!r}; expected {KERNEL_STRATEGIES}")
+    link = cluster.intra_link
+    bw = link.bytes_per_s * options.link_efficiency
+    rounds, moved = (1, (n - 1) * nbytes) if strategy == "one_shot" else (2, 2.0 * (n - 1) / n * nbytes)
+    latency = launch_us + rounds * link.hop_us("ring")[0]
+    return CollectiveCost(latency + 1e6 * moved / bw, "kernel", strategy, bw, latency)

@@ -36,9 +36,10 @@ _BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "s
 FREE_OPCODES = frozenset({
     "parameter", "constant", "get-tuple-element", "bitcast", "tuple", "after-all", "partition-id",
     "replica-id", "opt-barrier", "add-dependency", "domain", "get-dimension-size",
-    "copy-done", "async-done", "async-update",
+    "copy-done", "async-done", "async-update", "fusion-done", "fusion-update",
 })
-"""Opcodes that launch no kernel (aliasing or metadata only)."""
+"""Opcodes that launch no kernel (aliasing or metadata only; the done of an async compute pair
+waits for the kernel its start launched)."""
 
 _ELEMENTWISE_FLOPS = {"exponential": 4, "log": 4, "tanh": 4, "logistic": 4, "rsqrt": 2, "sqrt": 2,
                       "divide": 2, "power": 8, "erf": 8, "sine": 4, "cosine": 4}

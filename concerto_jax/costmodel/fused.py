@@ -148,8 +148,15 @@ def _is_compute(inst) -> bool:
 
 
 def _fused_instructions(inst):
-    """Instructions inside the fused computations of ``inst`` (recursively through nested fusions)."""
-    if inst.opcode != "fusion":
+    """Instructions inside the fused computations of ``inst`` (recursively through nested fusions;
+    for the start of an async compute pair, the op it wraps and what is fused into that)."""
+    if inst.opcode == "async-start" and inst.collective_kind is None:
+        wrapped = inst.async_wrapped
+        if wrapped is not None and wrapped is not inst:
+            yield wrapped
+            yield from _fused_instructions(wrapped)
+        return
+    if inst.opcode not in ("fusion", "fusion-start"):
         return
     for comp in inst.called_computations:
         for inner in comp.instructions:

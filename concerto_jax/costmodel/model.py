@@ -6,7 +6,12 @@ import dataclasses
 from collections.abc import Sequence
 
 from concerto_jax.costmodel.cluster import Cluster
-from concerto_jax.costmodel.collectives import CollectiveCost, CollectiveOptions, collective_cost
+from concerto_jax.costmodel.collectives import (
+    CollectiveCost,
+    CollectiveOptions,
+    all_reduce_kernel_cost,
+    collective_cost,
+)
 from concerto_jax.costmodel.compute import ComputeOptions, OpInfo, compute_time_us
 from concerto_jax.costmodel.profile_store import ProfileStore
 from concerto_jax.costmodel.specs import GpuSpec
@@ -87,6 +92,25 @@ class CostModel:
                 continue
             seen.add(placement)
             c = collective_cost(op, nbytes, list(g), self.cluster, self.options.collectives)
+            if best is None or c.time_us > best.time_us:
+                best = c
+        return best if best is not None else CollectiveCost(0.0, "none", "none", 0.0, 0.0)
+
+    def all_reduce_kernel(self, nbytes: float, groups: Sequence[Sequence[int]],
+                          strategy: str | None = None) -> CollectiveCost:
+        """Cost of XLA:GPU's all-reduce kernel (``collectives.all_reduce_kernel_cost``: the
+        Triton collective kernel fusion of jaxlib >= 0.11) moving ``nbytes`` per device; the
+        slowest replica group counts. ``strategy``: ``"one_shot"``/``"two_shot"`` as XLA
+        chose it, None for XLA's rule."""
+        best: CollectiveCost | None = None
+        seen: set[tuple[int, ...]] = set()
+        for g in groups:
+            placement = tuple(sorted(self.cluster.host_of(int(d)) for d in g))
+            if placement in seen:
+                continue
+            seen.add(placement)
+            c = all_reduce_kernel_cost(nbytes, list(g), self.cluster, strategy,
+                                       self.options.compute.launch_overhead_us, self.options.collectives)
             if best is None or c.time_us > best.time_us:
                 best = c
         return best if best is not None else CollectiveCost(0.0, "none", "none", 0.0, 0.0)

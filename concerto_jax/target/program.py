@@ -596,21 +596,24 @@ def combine_threshold_options(nbytes: int) -> dict[str, int]:
 
 def _collectives_by_kind(text: str) -> tuple[dict[str, int], dict[str, tuple]]:
     """``(bytes, buckets)`` of the collectives of each ``COMBINED_KINDS`` kind in the module
-    ``text`` (sync ops and async starts, sugared or generic): bytes in all (a start's tuple
-    counts operands and results, an over-estimate) and the sorted shapes of its
-    collectives, which say how XLA combined them."""
-    from hlo_passes.opcodes import async_parts
+    ``text`` (sync ops and async starts, sugared or generic, and collective kernel fusions):
+    bytes in all (of the op carrying the collective: a sugared start's tuple counts operands
+    and results, an over-estimate) and the sorted shapes of its collectives, which say how
+    XLA combined them. Only the computations that run as sequences of ops are read: the
+    collective inside an ``async-start``'s computation or a collective kernel's fused
+    computation is counted once, through its wrapper."""
+    from hlo_passes.loops import schedulable_computations
     from hlo_passes.parser import parse_module
 
     nbytes = dict.fromkeys(COMBINED_KINDS, 0)
     shapes: dict[str, list] = {k: [] for k in COMBINED_KINDS}
-    for comp in parse_module(text).computations:
+    for comp in schedulable_computations(parse_module(text)):
         for inst in comp.instructions:
             kind = inst.collective_kind
-            parts = async_parts(inst.opcode)
-            if kind in nbytes and (parts is None or parts[1] == "start"):
-                nbytes[kind] += inst.shape.byte_size
-                shapes[kind].append(str(inst.shape))
+            if kind in nbytes and inst.async_role in (None, "start"):
+                op = inst.collective_op or inst
+                nbytes[kind] += op.shape.byte_size
+                shapes[kind].append(str(op.shape))
     return nbytes, {k: tuple(sorted(v)) for k, v in shapes.items()}
 
 
