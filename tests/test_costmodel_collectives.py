@@ -72,7 +72,10 @@ def test_all_reduce_kernel_strategy_and_cost():
     """XLA:GPU's Triton all-reduce kernel (jaxlib >= 0.11): one-shot while it reads at most
     2 MiB (every rank reads all peers' buffers), two-shot above (a reduce-scatter and an
     all-gather through symmetric memory); across hosts there is no kernel (NCCL)."""
-    from concerto_jax.costmodel.collectives import all_reduce_kernel_cost, all_reduce_kernel_strategy
+    from concerto_jax.costmodel.collectives import (
+        all_reduce_kernel_cost,
+        all_reduce_kernel_strategy,
+    )
 
     c = get_cluster("h100_sxm_8")
     assert all_reduce_kernel_strategy(256 << 10, 8) == "one_shot"

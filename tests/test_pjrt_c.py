@@ -67,10 +67,9 @@ def _move(text, name, before):
 
 @needs_plugin
 def test_backend_only_compile_keeps_a_reordered_schedule():
+    import hlo_passes
     from concerto_jax.costmodel import get_cluster
     from concerto_jax.target import pjrt_c
-
-    import hlo_passes
 
     stock = _after_lhs()
     after = stock.after_lhs_text
