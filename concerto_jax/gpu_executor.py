@@ -408,50 +408,84 @@ def _module_name(compiled) -> str:
 
 def plan_on_scheduled(post_spmd: str, scheduled: str | None, options,
                       xla_scheduled: Callable[[str], str | None]) -> Plan:
-    """The GPU plan: rewriting passes on ``post_spmd`` (then ``xla_scheduled(our module)`` gives
-    XLA's scheduled module of it), "schedule" on XLA's scheduled module.
+    """The GPU plan: rewriting passes on ``post_spmd`` (decompose costed by XLA's fusion of the
+    step: its scheduled module is the fused reference), then ``xla_scheduled(our module)`` gives
+    XLA's scheduled module of it; "schedule" on XLA's scheduled module. A rewrite is kept only
+    where its plan simulates faster than the plan of the step without it (``final_module_guard``
+    in the rewriting passes' records), as ``compile_for_target`` does.
 
     Raises:
       RuntimeError: no scheduled module, or our order's peak over the memory limit.
     """
     from concerto_jax import executor, pipeline
     from concerto_jax.costmodel import CostModel, get_cluster
-    from concerto_jax.report import PassRecord
-    from concerto_jax.target import native
+    from concerto_jax.target.program import _with_fused_reference
 
+    cost_model = CostModel(get_cluster(options.target))
     records: list = []
-    replicated = False
     rewriting = tuple(p for p in options.passes if p not in PLAN_PASSES)
-    src = scheduled
+    _require_scheduled(scheduled)
+    src, replicated = scheduled, False
     if rewriting:
-        pre = pipeline.run(post_spmd, dataclasses.replace(options, passes=rewriting))
+        pre = pipeline.run(post_spmd, _with_fused_reference(
+            dataclasses.replace(options, passes=rewriting), scheduled))
         records += pre.passes
         if any(r.changed for r in pre.passes):
             executor.check_signature(post_spmd, pre.text)
-            src = xla_scheduled(pre.text)
+            src = _require_scheduled(xla_scheduled(pre.text))
             replicated = True
+    handed, record = _ordered(src, options, cost_model)
+    if replicated:
+        from concerto_jax.target.fidelity import judge_module
+
+        plain, plain_record = _ordered(scheduled, options, cost_model)
+        ours_us, plain_us = judge_module(handed, cost_model).us, judge_module(plain, cost_model).us
+        keep = ours_us < plain_us
+        guard = {"rewritten_planned_us": round(ours_us, 1), "without_rewrite_planned_us": round(plain_us, 1),
+                 "kept": keep}
+        records = [dataclasses.replace(r, stats={**r.stats, "final_module_guard": guard},
+                                       changed=r.changed and keep) for r in records]
+        if not keep:
+            log.info("GPU route: the rewrite (%s) plans %.1f us vs %.1f us without it: dropped",
+                     ",".join(rewriting), ours_us, plain_us)
+            handed, record, replicated = plain, plain_record, False
+    if record is not None:
+        records.append(record)
+    if "pin" in options.passes:
+        from concerto_jax.report import PassRecord
+
+        records.append(PassRecord("pin", False, 0.0, {"skipped": "not needed: XLA's backend keeps "
+                                                                 "the handed order"}))
+    return Plan(handed, replicated, tuple(records), _sha(handed))
+
+
+def _require_scheduled(src: str | None) -> str:
     if src is None or "is_scheduled=true" not in src.split("\n", 1)[0]:
         raise RuntimeError("XLA wrote no scheduled module (no dump before its post-scheduling "
                            "pipelines nor after its latency hiding scheduler; is XLA_FLAGS "
                            "overriding --xla_dump_to?)")
-    if "schedule" in options.passes:
-        t0 = time.perf_counter()
-        r = native.reschedule_text(src, CostModel(get_cluster(options.target)), options)
-        entry = r.computations[-1]
-        if (entry.memory_limit_bytes is not None and entry.peak_bytes is not None
-                and entry.peak_bytes > entry.memory_limit_bytes):
-            raise RuntimeError(f"our order's peak {entry.peak_bytes} B exceeds the memory limit "
-                               f"{entry.memory_limit_bytes} B")
-        records.append(PassRecord("schedule", bool(r.changed), time.perf_counter() - t0, {
-            "on": "xla_scheduled", "target": options.target, "changed": list(r.changed),
-            "program_order_us": round(r.input_us, 1), "scheduled_us": round(r.scheduled_us, 1),
-            "input_peak_bytes": entry.input_peak_bytes, "peak_bytes": entry.peak_bytes,
-            "memory_limit_bytes": entry.memory_limit_bytes}))
-        src = r.text
-    if "pin" in options.passes:
-        records.append(PassRecord("pin", False, 0.0, {"skipped": "not needed: XLA's backend keeps "
-                                                                 "the handed order"}))
-    return Plan(src, replicated, tuple(records), _sha(src))
+    return src
+
+
+def _ordered(src: str, options, cost_model) -> tuple[str, Any]:
+    """``src`` in our order when "schedule" runs (else as is), and the schedule's record."""
+    from concerto_jax.report import PassRecord
+    from concerto_jax.target import native
+
+    if "schedule" not in options.passes:
+        return src, None
+    t0 = time.perf_counter()
+    r = native.reschedule_text(src, cost_model, options)
+    entry = r.computations[-1]
+    if (entry.memory_limit_bytes is not None and entry.peak_bytes is not None
+            and entry.peak_bytes > entry.memory_limit_bytes):
+        raise RuntimeError(f"our order's peak {entry.peak_bytes} B exceeds the memory limit "
+                           f"{entry.memory_limit_bytes} B")
+    return r.text, PassRecord("schedule", bool(r.changed), time.perf_counter() - t0, {
+        "on": "xla_scheduled", "target": options.target, "changed": list(r.changed),
+        "program_order_us": round(r.input_us, 1), "scheduled_us": round(r.scheduled_us, 1),
+        "input_peak_bytes": entry.input_peak_bytes, "peak_bytes": entry.peak_bytes,
+        "memory_limit_bytes": entry.memory_limit_bytes})
 
 
 class GpuBackend:
