@@ -144,7 +144,8 @@ def _environment_line() -> str:
     devs = jax.devices()
     kinds = sorted({jax_compat.gpu_device_facts(d)["device_kind"] for d in devs})
     return (f"jax {jax.__version__}, jaxlib {jax_compat.jax_versions()[1]}, backend "
-            f"{jax.default_backend()}, {len(devs)} device(s): {', '.join(kinds)}")
+            f"{jax.default_backend()}, {len(devs)} device(s): {', '.join(kinds)}; "
+            f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
 
 
 def _bitwise_diff(a, b) -> list[str]:
@@ -336,7 +337,8 @@ def check_deviceless(d, case) -> str:
                                   core_count=None, process_index=0) for i in range(p.num_devices)]
     gpu_executor.check_payload(p, fake, p.num_devices)
     other = "7.0" if p.compute_capability != "7.0" else "8.0"
-    for bad, n in (([dataclasses.replace(f, compute_capability=other) for f in fake], p.num_devices),
+    for bad, n in (([types.SimpleNamespace(**{**vars(f), "compute_capability": other}) for f in fake],
+                    p.num_devices),
                    (fake[:-1], p.num_devices - 1)):
         try:
             gpu_executor.check_payload(p, bad, n)
@@ -591,8 +593,15 @@ def route_check(name: str, step, case, passes: Sequence[str], seen: list | None 
     from concerto_jax import gpu_executor, jax_compat
 
     opt = concerto_jax.optimize(step, concerto_jax.Options(passes=tuple(passes), check_first_step=True))
-    s_ref, s_opt = case.init_state(0), case.init_state(0)
     batch = case.batch
+    s_a, s_b = case.init_state(0), case.init_state(0)
+    for k in range(3):  # bitwise equality needs a reproducible reference
+        s_a, m_a = step(s_a, batch)
+        s_b, m_b = step(s_b, batch)
+        bad = _bitwise_diff((s_a, m_a), (s_b, m_b))
+        assert not bad, (f"plain jax.jit is not reproducible here (step {k}: {bad[:3]}); run with "
+                         "XLA_FLAGS=--xla_gpu_exclude_nondeterministic_ops=true")
+    s_ref, s_opt = case.init_state(0), case.init_state(0)
     n_seen = len(seen) if seen is not None else 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -1073,7 +1082,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     import jax
 
-    jax.config.update("jax_num_cpu_devices", 8)  # before any backend starts (the CPU rehearsal)
+    try:
+        jax.config.update("jax_num_cpu_devices", 8)  # before any backend starts (the CPU rehearsal)
+    except RuntimeError as e:  # backends already started (called from Python): keep theirs
+        log.debug("jax_num_cpu_devices not set: %s", e)
     on_gpu = jax.default_backend() == "gpu"
     passes = tuple(p for p in args.passes.split(",") if p)
     budget = args.budget_s if args.budget_s is not None else (float("inf") if args.prepare else DEFAULT_BUDGET_S)
