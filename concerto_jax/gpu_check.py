@@ -371,14 +371,16 @@ def rehearsal_checks(run: Run) -> None:
             p_ref, x = make_args(0)
             p_opt, _ = make_args(0)
             for _ in range(3):
-                donated = p_opt
+                donated, donated_ref = p_opt, p_ref
                 p_ref, v_ref = step(p_ref, x)
                 p_opt, v_opt = opt(p_opt, x)
                 bad = _bitwise_diff((p_opt, v_opt), (p_ref, v_ref))
                 assert not bad, f"differs from plain jit: {bad}"
             rep = opt.report()
         assert rep.optimized and rep.executable.startswith("backend-only"), rep.fallback_reason
-        assert donated["w1"].is_deleted(), "the donated state was not consumed"
+        # (jaxlib 0.11 keeps a CPU buffer it shares with NumPy: plain jit's donation is the reference)
+        assert donated["w1"].is_deleted() == donated_ref["w1"].is_deleted(), \
+            "the donated state was not consumed as plain jit consumes it"
         return f"3 steps bitwise; {rep.first_step_check}"
 
     def callbacks() -> str:
@@ -1090,7 +1092,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     passes = tuple(p for p in args.passes.split(",") if p)
     budget = args.budget_s if args.budget_s is not None else (float("inf") if args.prepare else DEFAULT_BUDGET_S)
     run = Run(args.out, budget)
-    cases = _select(args.cases or ("all" if args.prepare or on_gpu else "quick"))
+    cases = _select(args.cases if args.cases is not None else ("all" if args.prepare or on_gpu else "quick"))
     if args.prepare:
         prepare(args.prepare, cases, passes, run)
         run.write()

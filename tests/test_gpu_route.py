@@ -343,3 +343,33 @@ def test_deviceless_compile_serializes_our_order():
     gpu_executor.check_payload(d.payload, gpus, 8)
     with pytest.raises(LoadRefused):
         gpu_executor.check_payload(d.payload, gpus[:4], 4)
+
+
+# -- multi-process: process 0 plans, every process loads the same module, all fall back together --
+
+def _mp_reports(*args):
+    import json
+
+    from concerto_jax.launch import run_local
+
+    results = run_local("tests.workers.mp_gpu_route", args, num_processes=2, timeout_s=300)
+    return [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
+
+
+@pytest.mark.multiprocess
+def test_every_process_runs_the_leaders_module():
+    reps = _mp_reports()
+    for r in reps:
+        assert r["optimized"] and r["executable"].startswith("backend-only"), r["fallback_reason"]
+        assert r["equal"]
+    assert reps[0]["handed_digest"] == reps[1]["handed_digest"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("stage", "process"), [("plan", 0), ("backend_compile", 1)])
+def test_a_stage_failing_in_one_process_makes_all_fall_back(stage, process):
+    reps = _mp_reports("--break-stage", stage, "--break-on", str(process))
+    for r in reps:
+        assert not r["optimized"] and r["equal"]
+        assert f"stage {stage!r}" in r["fallback_reason"]
+        assert sum("running the original step" in w for w in r["warnings"]) == 1
