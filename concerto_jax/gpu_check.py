@@ -231,20 +231,26 @@ def _standin_lines(name: str, shape: str, indent: str, root: bool) -> list[str]:
     return lines
 
 
-_HEADER_DROP = (r",\s*input_output_alias=\{[^}]*(\{[^}]*\}[^}]*)*\}", r",\s*buffer_donor=\{[^}]*(\{[^}]*\}[^}]*)*\}",
-                r",\s*num_partitions=\d+", r",\s*replica_count=\d+")
+_HEADER_DROP = ("input_output_alias", "buffer_donor")
+"""Header attributes a stand-in module loses (one device, no donation through the stand-in's step)."""
 
 
-def _drop_sharding(line: str) -> str:
-    at = line.find(", sharding={")
+def _drop_attr(line: str, key: str) -> str:
+    """``line`` without its ``, key={...}`` attributes (braces balanced)."""
+    marker = f", {key}={{"
+    at = line.find(marker)
     while at >= 0:
-        i, depth = at + len(", sharding={"), 1
+        i, depth = at + len(marker), 1
         while i < len(line) and depth:
             depth += {"{": 1, "}": -1}.get(line[i], 0)
             i += 1
         line = line[:at] + line[i:]
-        at = line.find(", sharding={")
+        at = line.find(marker)
     return line
+
+
+def _drop_sharding(line: str) -> str:
+    return _drop_attr(line, "sharding")
 
 
 def standin_collectives(text: str) -> tuple[str, dict]:
@@ -273,8 +279,9 @@ def standin_collectives(text: str) -> tuple[str, dict]:
     out: list[str] = []
     lines = text.split("\n")
     header = lines[0]
-    for pattern in _HEADER_DROP:
-        header = re.sub(pattern, "", header)
+    for key in _HEADER_DROP:
+        header = _drop_attr(header, key)
+    header = re.sub(r",\s*(num_partitions|replica_count)=\d+", "", header)
     out.append(header)
     inst_re = re.compile(r"^(\s+)(ROOT\s+)?%?([\w.\-]+)\s*=")
     for line in lines[1:]:
@@ -604,6 +611,7 @@ def route_check(name: str, step, case, passes: Sequence[str], seen: list | None 
         assert not bad, (f"plain jax.jit is not reproducible here (step {k}: {bad[:3]}); run with "
                          "XLA_FLAGS=--xla_gpu_exclude_nondeterministic_ops=true")
     s_ref, s_opt = case.init_state(0), case.init_state(0)
+    jax.effects_barrier()
     n_seen = len(seen) if seen is not None else 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -755,10 +763,16 @@ class Prepared:
     meta: dict
 
 
+def _jax_version() -> str:
+    import jax
+
+    return jax.__version__
+
+
 def prepare(out_dir: str, cases: Sequence, passes: Sequence[str], run: Run | None = None) -> list[str]:
     """Write ``<case>.stock.hlo.gz``, ``<case>.ours.hlo.gz`` and ``<case>.json`` for each case
     (the deviceless compile stages; stock = XLA's scheduled module of the step, ours = the
-    module the route hands to the backend), collectives stood in."""
+    module the route hands to the backend); ``standin_collectives`` runs where they are used."""
     os.makedirs(out_dir, exist_ok=True)
     written = []
     for case in cases:
@@ -766,14 +780,15 @@ def prepare(out_dir: str, cases: Sequence, passes: Sequence[str], run: Run | Non
             d = deviceless_case(case, passes, fast=True)
             stock_src = d.stock.scheduled_text or d.stock.after_lhs_text
             detail = check_deviceless(d, case)
-            stock, sc = standin_collectives(stock_src)
-            ours, oc = standin_collectives(d.plan.handed)
-            for suffix, text in (("stock", stock), ("ours", ours)):
+            sc = standin_collectives(stock_src)[1]
+            oc = standin_collectives(d.plan.handed)[1]
+            # the modules as the backend gets them (collectives are stood in where they are used)
+            for suffix, text in (("stock", stock_src), ("ours", d.plan.handed)):
                 with gzip.open(os.path.join(out_dir, f"{case.name}.{suffix}.hlo.gz"), "wt") as f:
                     f.write(text)
             meta = {"case": case.name, "cluster": case.cluster, "passes": list(passes),
                     "changed": [r.name for r in d.plan.passes if r.changed], "stood_in": {"stock": sc, "ours": oc},
-                    "replicated": d.plan.replicated}
+                    "replicated": d.plan.replicated, "jax": _jax_version()}
             with open(os.path.join(out_dir, f"{case.name}.json"), "w") as f:
                 json.dump(meta, f, indent=1)
             written.append(case.name)
@@ -784,6 +799,38 @@ def prepare(out_dir: str, cases: Sequence, passes: Sequence[str], run: Run | Non
         else:
             one()
     return written
+
+
+def validate_prepared(prepared_dir: str, run: Run, kind: str = "NVIDIA H100 80GB HBM3") -> None:
+    """Compile every prepared module backend-only for one GPU of ``kind`` (deviceless, the
+    calibration's options) and cost its final module: what item c does before it runs them."""
+    import types
+
+    from concerto_jax import gpu_executor
+    from concerto_jax.costmodel import CostModel, get_cluster
+
+    device = types.SimpleNamespace(id=0, device_kind=kind, compute_capability="9.0", core_count=None,
+                                   process_index=0)
+    target = gpu_executor.device_target([device])
+    for meta_file in sorted(f for f in os.listdir(prepared_dir) if f.endswith(".json")):
+        name = meta_file[:-5]
+
+        def one(name=name) -> str:
+            with open(os.path.join(prepared_dir, meta_file)) as f:
+                meta = json.load(f)
+            words = []
+            for program in ("stock", "ours"):
+                with gzip.open(os.path.join(prepared_dir, f"{name}.{program}.hlo.gz"), "rt") as f:
+                    text, _ = standin_collectives(f.read())
+                p = gpu_executor.compile_payload(text, target, 1, replicated=False,
+                                                 env={"xla_gpu_enable_command_buffer": ""})
+                pred, _, step_us = _predictions(p.final_text, CostModel(get_cluster(meta["cluster"])))
+                params, results = _split_layout(gpu_executor.jax_compat.entry_layout_of_text(p.final_text))
+                words.append(f"{program}: {len(pred)} kernels, {step_us:.0f} us predicted, "
+                             f"{len(params)} params -> {len(results)} results")
+            return "; ".join(words)
+
+        run.check(f"prepared/{name}", one)
 
 
 _KERNEL_COLUMNS = ("case", "program", "instruction", "class", "predicted_us", "measured_us", "launches")
@@ -822,11 +869,13 @@ def _predictions(final_text: str, cost_model) -> tuple[dict, dict, float]:
     from concerto_jax.hlo_taskgraph import op_info
     from concerto_jax.target.fidelity import judge_module
 
+    from hlo_passes.loops import schedulable_computations
+
     module = hlo_passes.parse_module(final_text, source="final")
     pred, cls = {}, {}
     skip = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple", "opt-barrier", "while",
             "conditional", "call"}
-    for comp in module.computations:
+    for comp in schedulable_computations(module):  # the computations whose instructions launch kernels
         for inst in comp.instructions:
             if inst.opcode in skip:
                 continue
@@ -917,7 +966,7 @@ def calibrate_case(prepared_dir: str, case_name: str, out_dir: str, iters: int =
     kernels, steps = [], []
     for program in ("stock", "ours"):
         with gzip.open(os.path.join(prepared_dir, f"{case_name}.{program}.hlo.gz"), "rt") as f:
-            text = f.read()
+            text, _ = standin_collectives(f.read())
         try:
             payload = gpu_executor.compile_payload(text, target, 1, replicated=False, env=env)
         except Exception as e:  # noqa: BLE001 - the option refused: command buffers stay on
@@ -945,7 +994,8 @@ def calibrate_case(prepared_dir: str, case_name: str, out_dir: str, iters: int =
         measured = kernel_times(profile_dir, runs=3)
         pred, cls, pred_step = _predictions(payload.final_text, cost_model)
         mapped = 0
-        for name, (us, launches) in sorted(measured.items()):
+        for kernel, (us, launches) in sorted(measured.items()):
+            name = instruction_of(kernel, pred)
             if name in pred:
                 mapped += 1
             kernels.append({"case": case_name, "program": program, "instruction": name,
@@ -960,6 +1010,15 @@ def calibrate_case(prepared_dir: str, case_name: str, out_dir: str, iters: int =
                       "kernels_mapped": mapped, "kernels_unmapped": len(measured) - mapped,
                       "standins": sum(meta["stood_in"][program].values())})
     return kernels, steps
+
+
+def instruction_of(kernel: str, instructions) -> str:
+    """The HLO instruction a profiled kernel belongs to: its ``hlo_op`` as is, or XLA's kernel
+    name of it ('.' and '-' written '_'); the kernel's own name when neither matches."""
+    if kernel in instructions:
+        return kernel
+    norm = {n.replace(".", "_").replace("-", "_"): n for n in instructions}
+    return norm.get(kernel.replace(".", "_").replace("-", "_"), kernel)
 
 
 def kernel_times(profile_dir: str, runs: int) -> dict[str, tuple[float, int]]:
@@ -1069,6 +1128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--prepare", metavar="DIR", default=None,
                     help="CPU machine: write the calibration modules of --cases into DIR and exit")
     ap.add_argument("--prepared", metavar="DIR", default=None, help="GPU machine: the modules of --prepare")
+    ap.add_argument("--validate", metavar="DIR", default=None,
+                    help="CPU machine: compile the modules of --prepare for one GPU, deviceless, and exit")
     ap.add_argument("--cases", default=None,
                     help="suite cases: 'all', 'quick', or names (default: all with --prepare or on a "
                          "GPU, quick on a CPU)")
@@ -1090,11 +1151,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.debug("jax_num_cpu_devices not set: %s", e)
     on_gpu = jax.default_backend() == "gpu"
     passes = tuple(p for p in args.passes.split(",") if p)
-    budget = args.budget_s if args.budget_s is not None else (float("inf") if args.prepare else DEFAULT_BUDGET_S)
+    budget = args.budget_s if args.budget_s is not None else (float("inf") if args.prepare or args.validate else DEFAULT_BUDGET_S)
     run = Run(args.out, budget)
     cases = _select(args.cases if args.cases is not None else ("all" if args.prepare or on_gpu else "quick"))
+    if args.validate:
+        validate_prepared(args.validate, run)
+        run.write()
+        return _verdict(run)
     if args.prepare:
         prepare(args.prepare, cases, passes, run)
+        validate_prepared(args.prepare, run)
         run.write()
         return _verdict(run)
     log.info("gpu_check on %s; results under %s", _environment_line(), args.out)

@@ -113,3 +113,26 @@ def test_a_failed_check_makes_the_exit_status_non_zero(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_check, "rehearsal_checks", broken)
     assert gpu_check.main(["--out", str(tmp_path), "--cases", "", "--log-level", "ERROR"]) == 1
     assert "FAIL" in (tmp_path / "checks.md").read_text()
+
+
+def test_kernels_map_to_instructions_by_hlo_op_or_kernel_name():
+    names = {"loop_add_fusion.3": 1.0, "all-gather-done": 2.0}
+    assert gpu_check.instruction_of("loop_add_fusion.3", names) == "loop_add_fusion.3"
+    assert gpu_check.instruction_of("loop_add_fusion_3", names) == "loop_add_fusion.3"
+    assert gpu_check.instruction_of("sm90_xmma_gemm_bf16", names) == "sm90_xmma_gemm_bf16"
+
+
+def test_standin_header_loses_aliasing_and_partitions_only():
+    header = ("HloModule m, is_scheduled=true, input_output_alias={ {0}: (0, {}, may-alias), {1}: (1, {}, "
+              "may-alias) }, buffer_donor={ (2, {}) }, entry_computation_layout={(f32[4]{0})->f32[4]{0}}, "
+              "num_partitions=8")
+    body = ("\n\nENTRY %main (p: f32[4]) -> f32[4] {\n  %p = f32[4]{0} parameter(0), sharding={devices=[8]<=[8]}\n"
+            "  ROOT %ar = f32[4]{0} all-reduce(%p), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add\n}\n")
+    add = ("\n%add (a: f32[], b: f32[]) -> f32[] {\n  %a = f32[] parameter(0)\n  %b = f32[] parameter(1)\n"
+           "  ROOT %s = f32[] add(%a, %b)\n}\n")
+    text, counts = gpu_check.standin_collectives(header + add + body)
+    first = text.split("\n", 1)[0]
+    assert first == "HloModule m, is_scheduled=true, entry_computation_layout={(f32[4]{0})->f32[4]{0}}"
+    assert counts == {"all-reduce": 1} and "sharding=" not in text and "all-reduce(" not in text
+    assert "ROOT %ar = f32[4]{0} broadcast(%ar.zero), dimensions={}" in text
+    gpu_executor.jax_compat.hlo_module_from_text(text)  # XLA's parser accepts it

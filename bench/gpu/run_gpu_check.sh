@@ -32,7 +32,7 @@ prepare() {
         --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
         "ortools==$ORTOOLS" "immutabledict==$IMMUTABLEDICT" "protobuf==$PROTOBUF"
-    "$py" -m pip wheel --quiet --no-deps --no-build-isolation -w .whl .
+    "$py" -m pip wheel --quiet --no-deps -w .whl .
     ls -la .whl
     rm -rf .gpu_prepared
     JAX_PLATFORMS=cpu "$py" -m concerto_jax.gpu_check --prepare .gpu_prepared --cases all \
