@@ -669,49 +669,62 @@ def perturbed_check(step, case) -> str:
     return f"{moved} entry positions differ from XLA's order; kept in the loaded module; 3 steps bitwise"
 
 
-def subprocess_check(code: str, timeout_s: float) -> str:
-    """Run ``code`` in a fresh Python (an abort there is this check's FAIL, not the run's end)."""
+def probe_subprocess(code: str, timeout_s: float) -> str:
+    """Run ``code`` in a fresh Python and report what happened, an abort included (the probes
+    of the raw runtime: our route never hands it such bytes, its own checks refuse them first).
+    FAIL only where the probe could not set itself up (it prints ``SETUP FAILED``)."""
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout_s,
                        cwd=os.getcwd())
-    tail = (r.stdout + r.stderr).strip().splitlines()[-3:]
+    lines = (r.stdout + r.stderr).strip().splitlines()
+    if any(ln.startswith("SETUP FAILED") for ln in lines):
+        raise AssertionError(" | ".join(ln for ln in lines if ln.startswith("SETUP FAILED"))[:400])
+    said = [ln for ln in lines if ln.startswith("RUNTIME")]
     if r.returncode != 0:
-        raise AssertionError(f"exit {r.returncode} (negative = signal): {' | '.join(tail)[:400]}")
-    return " | ".join(t for t in tail if t.startswith("OK"))[:400]
+        said.append(f"the runtime ended the process (exit {r.returncode}; negative: signal): "
+                    + " | ".join(lines[-2:])[:200])
+    return " | ".join(said)[:500]
 
 
-_RAW_CLIENT_CODE = r'''
-import jax, jax.numpy as jnp
-from concerto_jax import gpu_executor, jax_compat
-import concerto_jax
-f = jax.jit(lambda x: jnp.tanh(x @ x))
-x = jnp.ones((64, 64))
-built = gpu_executor.build(f, (x,), {}, concerto_jax.Options(passes=()), gpu_executor.GpuBackend())
-dev = built.stock.device_list
-client = dev[0].client
+_PROBE_SETUP = r'''
+try:
+    import dataclasses
+    from importlib import resources
+    import jax, jax.numpy as jnp
+    import concerto_jax
+    from concerto_jax import gpu_executor, jax_compat
+    f = jax.jit(lambda x: jnp.tanh(x @ x))
+    built = gpu_executor.build(f, (jnp.ones((64, 64)),), {}, concerto_jax.Options(passes=()),
+                               gpu_executor.GpuBackend())
+    dev = built.stock.device_list
+    client = dev[0].client
+    header = jax_compat.step_header(jax_compat.xla_executable(built.stock.compiled))
+except Exception as e:
+    print("SETUP FAILED", type(e).__name__, str(e).splitlines()[0][:200]); raise SystemExit(0)
+'''
+
+_PROBE_NO_HEADER = _PROBE_SETUP + r'''
 try:
     client.deserialize_executable(built.payload.data, jax_compat.device_list(dev))
-    print("RAW LOADED (the runtime took bytes without a header)")
+    print("RUNTIME loaded PJRT bytes without a header")
 except Exception as e:
-    print("OK raw bytes without a header: the runtime raised", type(e).__name__, str(e).splitlines()[0][:150])
-from concerto_jax.target import pjrt_c
-t = gpu_executor.device_target(dev)
-other = "a100_sxm_80.txtpb" if t.compute_capability != "8.0" else "h100_sxm.txtpb"
-from importlib import resources
-text = resources.files("concerto_jax").joinpath("targets", other).read_text()
-import dataclasses
-bad_t = dataclasses.replace(t, config_text=text, compute_capability=gpu_executor.config_compute_capability(text))
-p = gpu_executor.compile_payload(built.plan.handed, bad_t, 1, replicated=False)
+    print("RUNTIME raised for bytes without a header:", type(e).__name__, str(e).splitlines()[0][:150])
+'''
+
+_PROBE_COMPUTE_CAPABILITY = _PROBE_SETUP + r'''
 try:
-    gpu_executor.load_payload(built.stock.compiled, p)
-    print("CC LOADED")
-except gpu_executor.LoadRefused as e:
-    print("OK our check refused another compute capability:", str(e)[:120])
-header = jax_compat.step_header(jax_compat.xla_executable(built.stock.compiled))
+    t = gpu_executor.device_target(dev)
+    other = "a100_sxm_80.txtpb" if t.compute_capability != "8.0" else "h100_sxm.txtpb"
+    text = resources.files("concerto_jax").joinpath("targets", other).read_text()
+    bad = dataclasses.replace(t, config_text=text, compute_capability=gpu_executor.config_compute_capability(text))
+    p = gpu_executor.compile_payload(built.plan.handed, bad, 1, replicated=False)
+except Exception as e:
+    print("SETUP FAILED", type(e).__name__, str(e).splitlines()[0][:200]); raise SystemExit(0)
 try:
     client.deserialize_executable(header + p.data, jax_compat.device_list(dev))
-    print("CC LOADED BY THE RUNTIME (no compute capability check at load)")
+    print(f"RUNTIME loaded an executable for compute capability {bad.compute_capability} on "
+          f"{t.compute_capability}")
 except Exception as e:
-    print("OK the runtime refused another compute capability:", type(e).__name__, str(e).splitlines()[0][:150])
+    print("RUNTIME raised for another compute capability:", type(e).__name__, str(e).splitlines()[0][:150])
 '''
 
 
@@ -746,8 +759,28 @@ def gpu_negative_checks(run: Run) -> None:
         raise AssertionError("a 2-device payload was loaded on 1 device")
 
     run.check("b/device_count", two_devices, needs_s=20)
-    run.check("b/raw_client", lambda: subprocess_check(_RAW_CLIENT_CODE, timeout_s=max(30, run.left_s() - 5)),
-              needs_s=40)
+    def compute_capability() -> str:  # our check refuses an executable built for another GPU
+        dev = jax.devices()[0]
+        t = gpu_executor.device_target([dev])
+        other = "a100_sxm_80.txtpb" if t.compute_capability != "8.0" else "h100_sxm.txtpb"
+        from importlib import resources
+
+        text = resources.files("concerto_jax").joinpath("targets", other).read_text()
+        bad = dataclasses.replace(t, config_text=text,
+                                  compute_capability=gpu_executor.config_compute_capability(text))
+        built = gpu_executor.build(f, make_args(0), {}, concerto_jax.Options(passes=()), gpu_executor.GpuBackend())
+        p = gpu_executor.compile_payload(built.plan.handed, bad, 1, replicated=False)
+        try:
+            gpu_executor.load_payload(built.stock.compiled, p)
+        except gpu_executor.LoadRefused as e:
+            return f"refused: {e}"[:200]
+        raise AssertionError("an executable for another compute capability was loaded")
+
+    run.check("b/compute_capability", compute_capability, needs_s=20)
+    for name, code in (("b/runtime_no_header", _PROBE_NO_HEADER),
+                       ("b/runtime_compute_capability", _PROBE_COMPUTE_CAPABILITY)):
+        run.check(name, lambda code=code: probe_subprocess(code, timeout_s=max(30, min(90, run.left_s() - 5))),
+                  needs_s=40)
 
 
 @dataclasses.dataclass

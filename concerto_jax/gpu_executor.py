@@ -432,8 +432,15 @@ def plan_on_scheduled(post_spmd: str, scheduled: str | None, options,
         records += pre.passes
         if any(r.changed for r in pre.passes):
             executor.check_signature(post_spmd, pre.text)
-            src = _require_scheduled(xla_scheduled(pre.text))
-            replicated = True
+            try:
+                src = _require_scheduled(xla_scheduled(pre.text))
+                replicated = True
+            except Exception as e:  # noqa: BLE001 - the rewrite is dropped, the order still planned
+                why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+                log.warning("GPU route: XLA's pipeline on the rewritten module failed (%s); the "
+                            "rewrite (%s) is dropped", why, ",".join(rewriting))
+                records = [dataclasses.replace(r, changed=False, stats={**r.stats, "dropped": why})
+                           for r in records]
     handed, record = _ordered(src, options, cost_model)
     if replicated:
         from concerto_jax.target.fidelity import judge_module

@@ -136,3 +136,13 @@ def test_standin_header_loses_aliasing_and_partitions_only():
     assert counts == {"all-reduce": 1} and "sharding=" not in text and "all-reduce(" not in text
     assert "ROOT %ar = f32[4]{0} broadcast(%ar.zero), dimensions={}" in text
     gpu_executor.jax_compat.hlo_module_from_text(text)  # XLA's parser accepts it
+
+
+def test_runtime_probes_report_an_abort_instead_of_ending_the_run():
+    ok = gpu_check.probe_subprocess("print('RUNTIME raised for x: ValueError')", timeout_s=60)
+    assert ok == "RUNTIME raised for x: ValueError"
+    aborted = gpu_check.probe_subprocess("import os; print('RUNTIME about to', flush=True); os.abort()",
+                                         timeout_s=60)
+    assert "the runtime ended the process (exit -6" in aborted
+    with pytest.raises(AssertionError, match="SETUP FAILED no GPU"):
+        gpu_check.probe_subprocess("print('SETUP FAILED no GPU')", timeout_s=60)

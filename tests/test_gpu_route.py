@@ -373,3 +373,32 @@ def test_a_stage_failing_in_one_process_makes_all_fall_back(stage, process):
         assert not r["optimized"] and r["equal"]
         assert f"stage {stage!r}" in r["fallback_reason"]
         assert sum("running the original step" in w for w in r["warnings"]) == 1
+
+
+def test_a_rewrite_xla_cannot_schedule_is_dropped_and_the_order_still_planned():
+    from concerto_jax.report import PassRecord
+
+    text = "HloModule m, is_scheduled=true\n\nENTRY %main {\n  ROOT %p = f32[] parameter(0)\n}\n"
+
+    class Rewrote:
+        text = "HloModule m\n\nENTRY %main {\n  ROOT %p = f32[] parameter(0)\n}\n"
+        passes = (PassRecord("fuse_collectives", True, 0.0, {}),)
+
+    import concerto_jax.pipeline as pipeline
+
+    def run(post, options):
+        return Rewrote()
+
+    def xla_fails(t):
+        raise RuntimeError("XLA refused it")
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(pipeline, "run", run)
+    mp.setattr("concerto_jax.executor.check_signature", lambda a, b: None)
+    try:
+        plan = gpu_executor.plan_on_scheduled(text, text, concerto_jax.Options(passes=("fuse_collectives",)),
+                                              xla_fails)
+    finally:
+        mp.undo()
+    assert plan.handed == text and not plan.replicated
+    assert not plan.passes[0].changed and "XLA refused it" in plan.passes[0].stats["dropped"]
