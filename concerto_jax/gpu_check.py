@@ -51,7 +51,6 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
 
 log = logging.getLogger("concerto_jax.gpu_check")
 
@@ -518,10 +517,9 @@ def gpt_steps(devices):
     import jax.numpy as jnp
     import numpy as np
 
-    from models.registry import make_case
-
     from models.gpt import PRESETS
     from models.layouts import make_mesh
+    from models.registry import make_case
 
     mesh = make_mesh("dp", (len(devices),), devices=list(devices))
     base = PRESETS["tiny"]
@@ -849,7 +847,7 @@ def validate_prepared(prepared_dir: str, run: Run, kind: str = "NVIDIA H100 80GB
         name = meta_file[:-5]
 
         def one(name=name) -> str:
-            with open(os.path.join(prepared_dir, meta_file)) as f:
+            with open(os.path.join(prepared_dir, f"{name}.json")) as f:
                 meta = json.load(f)
             words = []
             for program in ("stock", "ours"):
@@ -901,7 +899,6 @@ def _predictions(final_text: str, cost_model) -> tuple[dict, dict, float]:
     import hlo_passes
     from concerto_jax.hlo_taskgraph import op_info
     from concerto_jax.target.fidelity import judge_module
-
     from hlo_passes.loops import schedulable_computations
 
     module = hlo_passes.parse_module(final_text, source="final")

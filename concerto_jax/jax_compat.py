@@ -386,7 +386,7 @@ IFRT_RUNTIME_NAME = b"pjrt_ifrt"
 """``SerializedXlaExecutableMetadata.runtime_name`` (field 2) of the IFRT header JAX writes."""
 
 
-def _proto_fields(data: bytes) -> list[tuple[int, int, Any]]:
+def proto_fields(data: bytes) -> list[tuple[int, int, Any]]:
     """``(field number, wire type, value)`` of a serialized protobuf message (no nesting);
     raises ValueError on what is not one."""
     out, i = [], 0
@@ -438,7 +438,7 @@ def split_ifrt_blob(blob: bytes) -> tuple[bytes, bytes]:
     n = ifrt_header_length(blob)
     start = n - _header_body_length(blob)
     try:
-        fields = _proto_fields(blob[start:n])
+        fields = proto_fields(blob[start:n])
     except ValueError as e:
         raise ValueError(f"not a serialized executable: its first {n} bytes are no IFRT header "
                          f"({e}); expected a varint-delimited SerializedXlaExecutableMetadata "

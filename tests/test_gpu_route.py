@@ -311,12 +311,12 @@ def test_the_gpu_default_is_identity_until_gpu_check_passed():
 
 @needs_plugin
 def test_deviceless_compile_serializes_our_order():
-    from concerto_jax.costmodel import get_cluster
-    from concerto_jax.target.pjrt_c import RIEGELI_SIGNATURE
-    from tests.test_pjrt_c import _after_lhs  # noqa: F401 - same step as there
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
+
+    from concerto_jax.costmodel import get_cluster
+    from concerto_jax.target.pjrt_c import RIEGELI_SIGNATURE
 
     mesh = concerto_jax.target_mesh("h100_sxm_8", (8,), ("x",))
     sh = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
