@@ -201,33 +201,73 @@ def _split_tuple(shape: str) -> list[str]:
             cur += c
     if cur.strip():
         out.append(cur.strip())
-    return out
+    return [re.sub(r"^/\*index=\d+\*/", "", e).strip() for e in out]  # XLA's /*index=5*/ marks
 
 
-def _standin_lines(name: str, shape: str, indent: str, root: bool) -> list[str]:
-    """Lines defining ``%name`` as a zero broadcast of ``shape`` (tuple: one per element)."""
+def _standin_lines(name: str, shape: str, indent: str, root: bool, operands: Sequence = ()) -> list[str]:
+    """Lines defining ``%name`` (result ``shape``) locally from the collective's ``operands``
+    (``(name, Shape)``, element by element for a tuple result): the operand itself where the
+    shape is the same (a ``bitcast``; a ``copy`` of a parameter), padded with zeros where it
+    grows (all-gather), sliced where it shrinks (reduce-scatter), else a zero broadcast. Reading
+    the operand keeps its producers alive: a zero alone lets XLA drop the whole backward pass
+    that feeds a gradient all-reduce."""
     lines: list[str] = []
 
-    def array(var: str, s: str) -> str:
-        dtype = re.match(r"([a-z0-9]+)\[", s).group(1)
-        zero = "false" if dtype == "pred" else "0"
-        lines.append(f"{indent}%{var}.zero = {dtype}[] constant({zero})")
-        lines.append(f"{indent}%{var} = {s} broadcast(%{var}.zero), dimensions={{}}")
+    def zero(var: str, dtype: str) -> str:
+        lines.append(f"{indent}%{var}.zero = {dtype}[] constant({'false' if dtype == 'pred' else '0'})")
+        return f"%{var}.zero"
+
+    def array(var: str, s: str, op) -> str:
+        m = re.match(r"([a-z0-9]+)\[([^\]]*)\]", s)
+        if m is None:
+            raise ValueError(f"no stand-in for a collective result of shape {s!r}")
+        dtype = m.group(1)
+        dims = tuple(int(d.lstrip("<=")) for d in m.group(2).split(",") if d.strip())
+        if op is not None:
+            src, oshape = op
+            odims = tuple(oshape.dims)
+            if oshape.is_array and oshape.dtype == dtype and len(odims) == len(dims):
+                if odims == dims:
+                    how = "copy" if src in _parameters else "bitcast"
+                    lines.append(f"{indent}%{var} = {s} {how}(%{src})")
+                    return var
+                if all(d >= o for d, o in zip(dims, odims, strict=True)):
+                    z = zero(var, dtype)
+                    pad = "x".join(f"0_{d - o}" for d, o in zip(dims, odims, strict=True))
+                    lines.append(f"{indent}%{var} = {s} pad(%{src}, {z}), padding={pad}")
+                    return var
+                if all(d <= o for d, o in zip(dims, odims, strict=True)):
+                    box = ", ".join(f"[0:{d}]" for d in dims)
+                    lines.append(f"{indent}%{var} = {s} slice(%{src}), slice={{{box}}}")
+                    return var
+        z = zero(var, dtype)
+        lines.append(f"{indent}%{var} = {s} broadcast({z}), dimensions={{}}")
         return var
 
-    def build(var: str, s: str) -> str:
+    def build(var: str, s: str, ops: list) -> str:
         if s.startswith("("):
-            parts = [build(f"{var}.e{k}", e) for k, e in enumerate(_split_tuple(s))]
+            parts = [build(f"{var}.e{k}", e, [ops[k]] if k < len(ops) else [])
+                     for k, e in enumerate(_split_tuple(s))]
             lines.append(f"{indent}%{var} = {s} tuple(" + ", ".join(f"%{p}" for p in parts) + ")")
             return var
-        if "[" not in s:
-            raise ValueError(f"no stand-in for a collective result of shape {s!r}")
-        return array(var, s)
+        return array(var, s, ops[0] if ops else None)
 
-    build(name, shape)
+    build(name, shape, list(operands))
     if root:
         lines[-1] = lines[-1].replace(f"{indent}%{name} =", f"{indent}ROOT %{name} =", 1)
     return lines
+
+
+def _operand_ref(module, operand) -> str:
+    """How the text names ``operand``: ``x#k`` for the parser's stand-in of a tuple element
+    written that way (it has no line of its own), else its name."""
+    if operand.name in module.implicit_tuple_elements:
+        return f"{operand.operands[0].name}#{operand.attrs.get('index', 0)}"
+    return operand.name
+
+
+_parameters: set[str] = set()
+"""Names of the parameters of the module being stood in (``standin_collectives`` sets it)."""
 
 
 _HEADER_DROP = ("input_output_alias", "buffer_donor")
@@ -262,10 +302,13 @@ def standin_collectives(text: str) -> tuple[str, dict]:
 
     module = hlo_passes.parse_module(text, source="standin")
     drop: set[str] = set()
-    replace: dict[str, str] = {}
+    replace: dict[str, list] = {}
     counts: dict[str, int] = {}
+    _parameters.clear()
     for comp in module.computations:
         for inst in comp.instructions:
+            if inst.opcode == "parameter":
+                _parameters.add(inst.name)
             kind = inst.collective_kind
             if kind is None:
                 continue
@@ -273,7 +316,9 @@ def standin_collectives(text: str) -> tuple[str, dict]:
             if role in ("start", "update"):
                 drop.add(inst.name)
             else:
-                replace[inst.name] = kind
+                src = inst.async_start() if role == "done" else inst
+                replace[inst.name] = [(_operand_ref(module, o), o.shape)
+                                      for o in (src.operands if src is not None else ())]
                 counts[kind] = counts.get(kind, 0) + 1
     out: list[str] = []
     lines = text.split("\n")
@@ -293,7 +338,7 @@ def standin_collectives(text: str) -> tuple[str, dict]:
             continue
         if name in replace:
             shape, _ = _shape_text(line)
-            out.extend(_standin_lines(name, shape, indent, root))
+            out.extend(_standin_lines(name, shape, indent, root, replace[name]))
             continue
         line = _drop_sharding(line)
         if drop and "control-predecessors={" in line:

@@ -134,7 +134,7 @@ def test_standin_header_loses_aliasing_and_partitions_only():
     first = text.split("\n", 1)[0]
     assert first == "HloModule m, is_scheduled=true, entry_computation_layout={(f32[4]{0})->f32[4]{0}}"
     assert counts == {"all-reduce": 1} and "sharding=" not in text and "all-reduce(" not in text
-    assert "ROOT %ar = f32[4]{0} broadcast(%ar.zero), dimensions={}" in text
+    assert "ROOT %ar = f32[4]{0} copy(%p)" in text  # the operand (a parameter: copied)
     gpu_executor.jax_compat.hlo_module_from_text(text)  # XLA's parser accepts it
 
 
@@ -146,3 +146,11 @@ def test_runtime_probes_report_an_abort_instead_of_ending_the_run():
     assert "the runtime ended the process (exit -6" in aborted
     with pytest.raises(AssertionError, match="SETUP FAILED no GPU"):
         gpu_check.probe_subprocess("print('SETUP FAILED no GPU')", timeout_s=60)
+
+
+def test_standin_of_a_long_tuple_result_with_index_marks():
+    shapes = ", ".join(f"f32[{k + 1}]{{0}}" for k in range(5)) + ", /*index=5*/bf16[2,3]{1,0}"
+    assert gpu_check._split_tuple(f"({shapes})")[-1] == "bf16[2,3]{1,0}"
+    lines = gpu_check._standin_lines("ag", f"({shapes})", "  ", root=False)
+    assert lines[-1].startswith("  %ag = (") and "tuple(%ag.e0, %ag.e1" in lines[-1]
+    assert "  %ag.e5 = bf16[2,3]{1,0} broadcast(%ag.e5.zero), dimensions={}" in lines
