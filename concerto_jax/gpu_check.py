@@ -1160,7 +1160,9 @@ def gpu_half(run: Run, prepared: str | None, cases: Sequence, passes: Sequence[s
                                   "`python -m concerto_jax.gpu_check --prepare DIR` and pass --prepared DIR")
         return md
     kernels, calib = [], []
-    names = sorted(f[:-5] for f in os.listdir(prepared) if f.endswith(".json"))
+    # the smaller modules first: within the budget, as many cases as possible
+    names = sorted((f[:-5] for f in os.listdir(prepared) if f.endswith(".json")),
+                   key=lambda n: os.path.getsize(os.path.join(prepared, f"{n}.stock.hlo.gz")))
     wanted = {c.name for c in cases}
     for name in [n for n in names if n in wanted]:
         def one(name=name) -> str:
