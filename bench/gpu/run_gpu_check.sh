@@ -46,9 +46,13 @@ device() {
     mkdir -p "$out"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-    # bitwise comparisons need deterministic kernels (scatter-add without atomics), in plain jit too
-    export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_exclude_nondeterministic_ops=true"
-    nvidia-smi --query-gpu=name,compute_cap,memory.total --format=csv,noheader || true
+    if command -v nvidia-smi >/dev/null; then
+        nvidia-smi --query-gpu=name,compute_cap,memory.total --format=csv,noheader || true
+        # bitwise comparisons need deterministic kernels (scatter-add without atomics), in plain
+        # jit too. Only with a GPU: without one (a rehearsal) XLA cannot autotune, and with this
+        # flag its deviceless compile finds no GEMM config ("Failed to get configs").
+        export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_exclude_nondeterministic_ops=true"
+    fi
     python3 -c "import jax, ortools; print('jax', jax.__version__, jax.devices(), 'ortools', ortools.__version__)"
     set +e
     timeout 480 python3 -m concerto_jax.gpu_check --out "$out" --prepared .gpu_prepared --budget-s 420 \
