@@ -276,6 +276,11 @@ class OptimizedStep:
             if not self.options.fallback:
                 raise
             return self._fallback(str(e), name, len(jax.devices()), "")
+        from concerto_jax import gpu_executor
+
+        backend = gpu_executor.backend_for(_platform_of(args, kwargs))
+        if backend is not None:  # GPUs: our order compiled by XLA's backend only, loaded into JAX
+            return gpu_executor.build_entry(self, args, kwargs, options, note, backend)
         cap, result, failure, timings = self._run_pipeline(args, kwargs, options)
         unverified = ""
         if failure is None:

@@ -377,3 +377,157 @@ class _AssembledCall:
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+
+# -- loading a serialized executable on JAX's client (GPU route; checked on 0.11.2, 0.12.0.1
+# with CPU executables; the GPU client's side is gpu_check's) ----------------------------------
+
+IFRT_RUNTIME_NAME = b"pjrt_ifrt"
+"""``SerializedXlaExecutableMetadata.runtime_name`` (field 2) of the IFRT header JAX writes."""
+
+
+def proto_fields(data: bytes) -> list[tuple[int, int, Any]]:
+    """``(field number, wire type, value)`` of a serialized protobuf message (no nesting);
+    raises ValueError on what is not one."""
+    out, i = [], 0
+
+    def varint(i: int) -> tuple[int, int]:
+        value = shift = 0
+        while True:
+            if i >= len(data) or shift > 63:
+                raise ValueError("truncated varint")
+            b = data[i]
+            i += 1
+            value |= (b & 0x7F) << shift
+            shift += 7
+            if not b & 0x80:
+                return value, i
+
+    while i < len(data):
+        key, i = varint(i)
+        number, wire = key >> 3, key & 7
+        if number == 0:
+            raise ValueError("field number 0")
+        if wire == 0:
+            value, i = varint(i)
+        elif wire == 1:
+            value, i = data[i:i + 8], i + 8
+        elif wire == 5:
+            value, i = data[i:i + 4], i + 4
+        elif wire == 2:
+            n, i = varint(i)
+            value, i = data[i:i + n], i + n
+        else:
+            raise ValueError(f"wire type {wire}")
+        if i > len(data):
+            raise ValueError("field runs past the end")
+        out.append((number, wire, value))
+    return out
+
+
+def split_ifrt_blob(blob: bytes) -> tuple[bytes, bytes]:
+    """``(header, PJRT payload)`` of a blob ``Client.deserialize_executable`` accepts.
+
+    The header is a varint-delimited ``SerializedXlaExecutableMetadata`` whose
+    ``runtime_name`` is ``pjrt_ifrt``. The runtime parses the header loosely (raw PJRT bytes
+    can be half-read as one and fail deep inside), so the blob is checked here first.
+
+    Raises:
+      ValueError: the blob has no such header; says what was expected.
+    """
+    n = ifrt_header_length(blob)
+    start = n - _header_body_length(blob)
+    try:
+        fields = proto_fields(blob[start:n])
+    except ValueError as e:
+        raise ValueError(f"not a serialized executable: its first {n} bytes are no IFRT header "
+                         f"({e}); expected a varint-delimited SerializedXlaExecutableMetadata "
+                         "followed by the PJRT executable's bytes (raw PJRT bytes must be put "
+                         "behind a step's header: gpu_executor.load_payload)") from None
+    runtime = [v for k, w, v in fields if k == 2 and w == 2]
+    if runtime != [IFRT_RUNTIME_NAME]:
+        raise ValueError(f"not a serialized executable: its header names runtime {runtime[:1]!r}, "
+                         f"expected {IFRT_RUNTIME_NAME!r} (raw PJRT bytes must be put behind a "
+                         "step's header: gpu_executor.load_payload)")
+    return blob[:n], blob[n:]
+
+
+def _header_body_length(blob: bytes) -> int:
+    n = shift = i = 0
+    while True:
+        b = blob[i]
+        i += 1
+        n |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return n
+
+
+def step_header(original) -> bytes:
+    """The IFRT header of a jaxlib ``LoadedExecutable`` (its serialization's first bytes)."""
+    blob = original.client.serialize_executable(original)
+    header, _ = split_ifrt_blob(blob)
+    return header
+
+
+def deserialize(blob: bytes, devices: Sequence, *, compile_options=None,
+                host_callbacks: Sequence = ()):
+    """``Client.deserialize_executable`` of a header + payload ``blob`` on ``devices``.
+
+    The caller must have checked that the payload was compiled for ``len(devices)`` devices:
+    the runtime aborts the process (a CHECK, not an exception) otherwise. ``compile_options``
+    override the ones stored in the payload (device assignment: the step's devices);
+    ``host_callbacks`` are the callables the module's host-callback custom calls index
+    (a deserialized executable without them is undefined behaviour).
+    """
+    split_ifrt_blob(blob)
+    client = devices[0].client
+    kwargs: dict[str, Any] = {}
+    if compile_options is not None:
+        kwargs["compile_options"] = compile_options
+    if host_callbacks:
+        kwargs["host_callbacks"] = list(host_callbacks)
+    return client.deserialize_executable(blob, device_list(devices), **kwargs)
+
+
+def entry_layout(executable) -> str:
+    """The ``entry_computation_layout`` of a jaxlib ``LoadedExecutable``'s (first) module:
+    every parameter's and result's per-device shape with its layout."""
+    header = executable.hlo_modules()[0].to_string().split("\n", 1)[0]
+    return entry_layout_of_text(header)
+
+
+def entry_layout_of_text(text: str) -> str:
+    """The ``entry_computation_layout={...}`` of an HLO module's header line ('' if absent)."""
+    header = text.split("\n", 1)[0]
+    key = "entry_computation_layout={"
+    at = header.find(key)
+    if at < 0:
+        return ""
+    i, depth = at + len(key), 1
+    while i < len(header) and depth:
+        depth += {"{": 1, "}": -1}.get(header[i], 0)
+        i += 1
+    return header[at + len(key):i - 1]
+
+
+def executable_text(executable) -> str:
+    """HLO text of a jaxlib ``LoadedExecutable``'s (first) module: the final module it runs."""
+    return executable.hlo_modules()[0].to_string()
+
+
+def gpu_device_facts(device) -> dict[str, Any]:
+    """What a JAX GPU device says about itself: ``device_kind``, ``compute_capability``
+    (``"9.0"``), ``core_count`` (SMs; None where not exposed), ``id``, ``process_index``."""
+    return {"device_kind": getattr(device, "device_kind", ""),
+            "compute_capability": str(getattr(device, "compute_capability", "") or ""),
+            "core_count": getattr(device, "core_count", None),
+            "id": device.id, "process_index": getattr(device, "process_index", 0)}
+
+
+def profile_data_from_file(path: str):
+    """jaxlib's ``ProfileData`` of an ``.xplane.pb`` file (planes -> lines -> events with
+    ``name``, ``start_ns``, ``duration_ns``, ``stats``)."""
+    from jax._src.lib import _profile_data
+
+    return _profile_data.ProfileData.from_file(path)

@@ -143,13 +143,23 @@ GPU_PLAN_PASSES: tuple[str, ...] = ("schedule", "pin")
 """The passes that make XLA's GPU compiler run our plan: the RCPSP order, pinned so that
 XLA's scheduler keeps its overlap windows."""
 
-GPU_DEFAULT_PASSES: tuple[str, ...] = ()
-"""Passes ``optimize`` runs when the user gives no ``Options`` and the step runs on GPUs.
-Empty for now: ``optimize`` on a GPU can only reach XLA through JAX's compile path, where
-the plan needs pins, and XLA's final module of the pinned plan simulates slower than stock
-XLA (``bench/results/fidelity_pin.md``: barriers block fusion and collective combining).
-The pin-free backend-only path (``compile_for_target``'s default) is deviceless only so far
-(WORKSPACE_NOTES issue #9 says what ``optimize`` needs for it)."""
+GPU_ROUTE_PASSES: tuple[str, ...] = ("decompose", "schedule")
+"""The passes ``optimize`` is meant to run by default on GPUs, on the GPU route
+(``concerto_jax.gpu_executor``: our order of XLA's own scheduled module, compiled by XLA's
+backend only and loaded behind the step's header), with the first-step check on (the default
+``check_first_step="auto"``: wherever a copy of the inputs fits; ``decompose`` only runs where
+the check does). Turn them on with ``Options(passes=GPU_ROUTE_PASSES)``."""
+
+GPU_ROUTE_CHECKED: bool = False
+"""Whether ``python -m concerto_jax.gpu_check`` item a (the full route on real train steps, 3
+steps bitwise equal to plain ``jax.jit``, our order present in the loaded executable) has passed
+on real hardware. Set it to True, with the run recorded in WORKSPACE_NOTES, once it has: the
+GPU default then becomes ``GPU_ROUTE_PASSES``."""
+
+GPU_DEFAULT_PASSES: tuple[str, ...] = GPU_ROUTE_PASSES if GPU_ROUTE_CHECKED else ()
+"""Passes ``optimize`` runs when the user gives no ``Options`` and the step runs on GPUs: the
+identity until the GPU route has passed ``gpu_check`` on a GPU (``GPU_ROUTE_CHECKED``); no GPU
+was lent to the session that built it."""
 
 _GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
 

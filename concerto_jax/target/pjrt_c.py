@@ -15,7 +15,8 @@ reports API version 0.112; the ``PJRT_Api`` table and the argument structs are
 append-only, so the offsets below, taken from the header's older prefix, hold):
 ``PJRT_Error_{Destroy,Message,GetCode}``, ``PJRT_Plugin_Initialize``,
 ``PJRT_TopologyDescription_{Create,Destroy}``, ``PJRT_Compile``,
-``PJRT_Executable_{Destroy,OptimizedProgram}``. Every argument struct is passed with the
+``PJRT_Executable_{Destroy,OptimizedProgram,Serialize}`` (the plugins of jaxlib 0.11.2 and
+0.12.0.1 report API 0.115 and 0.116; the indices hold). Every argument struct is passed with the
 ``struct_size`` of the fields we declare (the plugin accepts older, smaller callers).
 
 The topology is created as ``jax.experimental.topologies.get_topology_desc`` does it:
@@ -42,6 +43,7 @@ _FN_INDEX = {
     "PJRT_Plugin_Initialize": 3,
     "PJRT_Executable_Destroy": 40,
     "PJRT_Executable_OptimizedProgram": 48,
+    "PJRT_Executable_Serialize": 49,
     "PJRT_TopologyDescription_Create": 82,
     "PJRT_TopologyDescription_Destroy": 83,
     "PJRT_TopologyDescription_PlatformName": 84,
@@ -101,6 +103,15 @@ _CompileArgs = _struct("PJRT_Compile_Args", [
 _ExecutableDestroyArgs = _struct("PJRT_Executable_Destroy_Args", [("executable", ctypes.c_void_p)])
 _OptimizedProgramArgs = _struct("PJRT_Executable_OptimizedProgram_Args", [
     ("executable", ctypes.c_void_p), ("program", ctypes.POINTER(_Program))])
+_SerializeArgs = _struct("PJRT_Executable_Serialize_Args", [
+    ("executable", ctypes.c_void_p), ("serialized_bytes", ctypes.c_void_p),
+    ("serialized_bytes_size", ctypes.c_size_t), ("serialized_executable", ctypes.c_void_p),
+    ("serialized_executable_deleter", ctypes.c_void_p)])
+_SerializedDeleter = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+RIEGELI_SIGNATURE = bytes.fromhex("83af70d10d884a3f")
+"""The first 8 bytes of a Riegeli file: how the CUDA plugin frames ``PJRT_Executable_Serialize``'s
+``ExecutableAndOptionsProto`` (jaxlib 0.11.2, 0.12.0.1)."""
 
 
 def _new(cls, **kw):
@@ -240,6 +251,20 @@ class PjrtCApi:
             raise PjrtCError("PJRT_Executable_OptimizedProgram", -1, f"unexpected program format {out_fmt!r}")
         return data
 
+    def serialize(self, executable: int) -> bytes:
+        """``PJRT_Executable_Serialize``: the executable's bytes as the plugin's
+        ``DeserializeAndLoad`` reads them (no IFRT header; the plugin's buffer is released
+        through the deleter it returns, once)."""
+        args = _new(_SerializeArgs, executable=executable)
+        self._check("PJRT_Executable_Serialize", args)
+        try:
+            if not args.serialized_bytes or not args.serialized_bytes_size:
+                raise PjrtCError("PJRT_Executable_Serialize", -1, "the plugin returned no bytes")
+            return ctypes.string_at(args.serialized_bytes, args.serialized_bytes_size)
+        finally:
+            if args.serialized_executable_deleter:
+                _SerializedDeleter(args.serialized_executable_deleter)(args.serialized_executable)
+
 
 def _varint(data: bytes, i: int) -> tuple[int, int]:
     value = shift = 0
@@ -377,3 +402,32 @@ def compile_hlo(text: str, cluster, compile_options: bytes, *, backend_only: boo
         finally:
             topo.api.destroy_executable(exe)
     return hlo_proto_to_text(out)
+
+
+def compile_and_serialize(text: str, topology_source, compile_options: bytes, *,
+                          backend_only: bool = True) -> tuple[str, bytes]:
+    """``compile_hlo`` that also serializes the executable (``PJRT_Executable_Serialize``).
+
+    Args:
+      text: HLO text (a scheduled module with ``backend_only``).
+      topology_source: anything with ``topology_name``, ``topology`` and ``target_config_text()``
+        (a ``Cluster``, or the real devices' ``gpu_executor.DeviceTarget``).
+      compile_options: serialized ``CompileOptions``.
+      backend_only: set ``run_backend_only``.
+
+    Returns:
+      ``(XLA's final module text, the executable's bytes)``.
+
+    Raises:
+      PjrtCError: the plugin refused the module or could not serialize it.
+    """
+    proto = hlo_text_to_proto(text)
+    opts = compile_options + (_RUN_BACKEND_ONLY if backend_only else b"")
+    with Topology(topology_source) as topo:
+        exe = topo.api.compile(topo.handle, proto, "hlo", opts)
+        try:
+            out = topo.api.optimized_program(exe)
+            blob = topo.api.serialize(exe)
+        finally:
+            topo.api.destroy_executable(exe)
+    return hlo_proto_to_text(out), blob

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The GPU route's check on a GPU machine (python -m concerto_jax.gpu_check), in two halves.
+#
+#   bash bench/gpu/run_gpu_check.sh prepare   # HERE, on a CPU machine, from the repo root
+#   bash bench/gpu/run_gpu_check.sh device    # THERE: the command the GPU machine runs
+#
+# prepare: (1) the wheels the GPU machine lacks into .whl/ (it has Python 3.12, jax/jaxlib and
+#   the CUDA plugin 0.11.2, flax, optax, numpy, pandas, absl-py, typing-extensions; no ortools,
+#   no network): ortools and its missing dependencies (immutabledict; protobuf at the version
+#   ortools was built against) plus this project's own wheel; (2) the calibration modules of
+#   every suite case into .gpu_prepared/ (deviceless: XLA's scheduled module of stock and of
+#   ours, collectives stood in), made with jax 0.11.2, the GPU machine's version
+#   ($PREPARE_PYTHON, default /work/venv0112/bin/python); (3) the CPU half of gpu_check.
+#   Both folders are ignored by git (.gitignore) and travel as `carry`.
+# device: installs the wheels into /tmp/site, runs gpu_check with that machine's own JAX within
+#   8 minutes (--budget-s 420 leaves room for the start), and leaves at most 8 files in
+#   $OUT/gc (checks, calibration tables, the log, the raw profiles as one tar.gz).
+#
+# The device tool's call (device time: about 10 minutes of a 15-minute lease):
+#   run(command="bash bench/gpu/run_gpu_check.sh device", carry=[".whl", ".gpu_prepared"],
+#       timeout_s=560)
+set -euo pipefail
+
+ORTOOLS=9.15.6755
+IMMUTABLEDICT=4.3.1
+PROTOBUF=6.33.6
+
+prepare() {
+    local py="${PREPARE_PYTHON:-/work/venv0112/bin/python}"
+    rm -rf .whl && mkdir -p .whl
+    "$py" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
+        "ortools==$ORTOOLS" "immutabledict==$IMMUTABLEDICT" "protobuf==$PROTOBUF"
+    "$py" -m pip wheel --quiet --no-deps -w .whl .
+    ls -la .whl
+    rm -rf .gpu_prepared
+    JAX_PLATFORMS=cpu "$py" -m concerto_jax.gpu_check --prepare .gpu_prepared --cases all \
+        --out .gpu_prepared/report
+    JAX_PLATFORMS=cpu "$py" -m concerto_jax.gpu_check --out .gpu_prepared/cpu_half
+    du -sh .whl .gpu_prepared
+}
+
+device() {
+    local out="${OUT:-/tmp/out}/gc"
+    mkdir -p "$out"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+    if command -v nvidia-smi >/dev/null; then
+        nvidia-smi --query-gpu=name,compute_cap,memory.total --format=csv,noheader || true
+        # bitwise comparisons need deterministic kernels (scatter-add without atomics), in plain
+        # jit too. Only with a GPU: without one (a rehearsal) XLA cannot autotune, and with this
+        # flag its deviceless compile finds no GEMM config ("Failed to get configs").
+        export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_exclude_nondeterministic_ops=true"
+    fi
+    python3 -c "import jax, ortools; print('jax', jax.__version__, jax.devices(), 'ortools', ortools.__version__)"
+    set +e
+    timeout 480 python3 -m concerto_jax.gpu_check --out "$out" --prepared .gpu_prepared --budget-s 420 \
+        2>&1 | tee "$out/gc.log"
+    local rc=${PIPESTATUS[0]}
+    set -e
+    if [ -d "$out/profile" ]; then
+        tar -czf "$out/profile.tar.gz" -C "$out" profile && rm -rf "$out/profile"
+    fi
+    ls -la "$out"
+    return "$rc"
+}
+
+case "${1:-}" in
+    prepare) prepare ;;
+    device) device ;;
+    *) echo "usage: $0 prepare|device" >&2; exit 2 ;;
+esac
