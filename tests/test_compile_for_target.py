@@ -14,7 +14,12 @@ needs_plugin = pytest.mark.skipif(not gpu_plugin_available(), reason="CUDA PJRT 
 
 
 def test_default_passes_by_platform():
-    from concerto_jax.options import GPU_DEFAULT_PASSES, GPU_PLAN_PASSES, GPU_ROUTE_PASSES, defaults_for_platform
+    from concerto_jax.options import (
+        GPU_DEFAULT_PASSES,
+        GPU_PLAN_PASSES,
+        GPU_ROUTE_PASSES,
+        defaults_for_platform,
+    )
 
     assert defaults_for_platform("cpu").passes == ()
     assert defaults_for_platform("gpu").passes == defaults_for_platform("cuda").passes == GPU_DEFAULT_PASSES
