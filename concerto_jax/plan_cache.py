@@ -266,7 +266,7 @@ class TargetCache:
 
     def __init__(self, store: PlanStore, parts: dict, reads: bool):
         self.store, self.parts, self.reads = store, parts, reads
-        self._t0 = time.perf_counter()
+        self.key = key_of(parts)
 
     def lookup(self, seconds: Mapping[str, float]) -> dict | None:
         """The fields of the stored ``TargetResult`` (``seconds``: this call's, plus the hit's),
@@ -307,7 +307,7 @@ class TargetCache:
             fields.pop(field, None)
         fields["passes"] = [dataclasses.asdict(p) for p in fields["passes"]]
         try:
-            blobs["result.json"] = json.dumps(fields, sort_keys=True, default=_json_scalar).encode()
+            blobs["result.json"] = json.dumps(fields, default=_json_scalar).encode()
         except (TypeError, ValueError) as e:
             log.info("plan cache: the target result is not stored (%s)", e)
             return

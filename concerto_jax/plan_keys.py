@@ -34,6 +34,8 @@ PLAN_NEUTRAL = frozenset({"dump_dir", "fallback", "cache_dir", "check_first_step
 the cache is, the first-step check (it decides whether a reassociating pass runs, and that
 reaches the key through ``passes``), and whether an unchanged module is recompiled (the plan is
 the same; the executable has its own key)."""
+SOURCE_PACKAGES = ("concerto_jax", "hlo_passes")
+"""The packages whose source is part of the key."""
 _SOURCE_SUFFIXES = (".py", ".txtpb", ".c", ".h")
 
 
@@ -71,7 +73,7 @@ def code_part() -> dict:
     """The installed JAX, XLA's flags and this package's version and source (once per process;
     XLA_FLAGS as at the first call)."""
     digest = hashlib.sha256()
-    for package in ("concerto_jax", "hlo_passes"):
+    for package in SOURCE_PACKAGES:
         top = os.path.dirname(importlib.import_module(package).__file__)
         for folder, dirs, files in sorted(os.walk(top)):
             dirs[:] = sorted(d for d in dirs if d != "__pycache__")

@@ -114,40 +114,30 @@ class PlanStore:
     # -- read ----------------------------------------------------------------------------------
     def read(self, kind: str, parts: Mapping) -> Entry | None:
         """The entry of ``parts``, checked; None if absent, or after one warning if it fails a
-        check (it is then removed)."""
+        check (it is then removed).
+
+        The entry's directory is opened once and every file read through it, so the files read
+        belong to one entry even while other processes replace or remove it; a read that fails
+        because the entry was removed meanwhile is a plain miss.
+        """
         key = key_of(parts)
         path = self.path(kind, key)
         try:
-            with open(os.path.join(path, MANIFEST), "rb") as f:
-                raw = f.read()
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         except FileNotFoundError:
             return None
         except OSError as e:
-            self.reject(kind, key, f"its manifest cannot be read ({e})")
+            self.reject(kind, key, f"its directory cannot be opened ({e})")
             return None
         try:
-            manifest = json.loads(raw)
-            problem = _manifest_problem(manifest, kind, key, parts)
-        except (ValueError, TypeError, AttributeError) as e:
-            problem = f"its manifest is not valid JSON of the expected form ({type(e).__name__}: {e})"
+            problem, manifest, blobs = _check(fd, kind, key, parts)
+            if problem and _unlinked(fd, path):
+                return None  # removed or replaced by another process while we read it
+        finally:
+            os.close(fd)
         if problem:
             self.reject(kind, key, problem)
             return None
-        blobs = {}
-        for name, facts in manifest["blobs"].items():
-            try:
-                with open(os.path.join(path, name), "rb") as f:
-                    data = f.read()
-            except FileNotFoundError:
-                if not os.path.isdir(path):  # removed by another process meanwhile: a miss
-                    return None
-                self.reject(kind, key, f"its blob {name!r} is missing")
-                return None
-            if len(data) != facts["size"] or hashlib.sha256(data).hexdigest() != facts["sha256"]:
-                self.reject(kind, key, f"its blob {name!r} does not match its checksum "
-                                       f"({len(data)} bytes, {facts['size']} expected)")
-                return None
-            blobs[name] = data
         try:
             os.utime(os.path.join(path, MANIFEST))  # least recently used goes first
         except OSError:
@@ -202,6 +192,10 @@ class PlanStore:
         return True
 
     # -- removal and eviction ----------------------------------------------------------------
+    def remove(self, kind: str, key: str) -> None:
+        """Remove the entry ``key`` of ``kind`` if there is one (a reader then sees a miss)."""
+        self._remove(self.path(kind, key))
+
     def _remove(self, path: str) -> None:
         """Take ``path`` out of the namespace in one rename, then delete it."""
         trash = os.path.join(self.root, "staging", f"removed.{uuid.uuid4().hex}")
@@ -250,6 +244,46 @@ class PlanStore:
                      total, self.max_bytes)
             self._remove(path)
             total -= size
+
+
+def _read_at(fd: int, name: str) -> bytes:
+    f = os.open(name, os.O_RDONLY, dir_fd=fd)
+    with os.fdopen(f, "rb") as fh:
+        return fh.read()
+
+
+def _check(fd: int, kind: str, key: str, parts: Mapping) -> tuple[str, dict, dict[str, bytes]]:
+    """``(problem or '', manifest, blobs)`` of the entry whose directory ``fd`` is."""
+    try:
+        manifest = json.loads(_read_at(fd, MANIFEST))
+        problem = _manifest_problem(manifest, kind, key, parts)
+    except OSError as e:
+        return f"its manifest cannot be read ({e})", {}, {}
+    except (ValueError, TypeError, AttributeError) as e:
+        return (f"its manifest is not valid JSON of the expected form ({type(e).__name__}: {e})",
+                {}, {})
+    if problem:
+        return problem, manifest, {}
+    blobs = {}
+    for name, facts in manifest["blobs"].items():
+        try:
+            data = _read_at(fd, name)
+        except OSError as e:
+            return f"its blob {name!r} cannot be read ({e})", manifest, {}
+        if len(data) != facts["size"] or hashlib.sha256(data).hexdigest() != facts["sha256"]:
+            return (f"its blob {name!r} does not match its checksum ({len(data)} bytes, "
+                    f"{facts['size']} expected)"), manifest, {}
+        blobs[name] = data
+    return "", manifest, blobs
+
+
+def _unlinked(fd: int, path: str) -> bool:
+    """Whether the directory ``fd`` is no longer the one at ``path``."""
+    try:
+        here, now = os.fstat(fd), os.stat(path)
+    except OSError:
+        return True
+    return (here.st_dev, here.st_ino) != (now.st_dev, now.st_ino)
 
 
 def _manifest_problem(manifest: dict, kind: str, key: str, parts: Mapping) -> str:
