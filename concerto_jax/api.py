@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from concerto_jax import capture as capture_lib
-from concerto_jax import executor, first_step, jax_compat, multiprocess, pipeline
+from concerto_jax import executor, first_step, jax_compat, multiprocess, pipeline, plan_cache
 from concerto_jax.options import Options, defaults_for_platform
 from concerto_jax.report import Report
 
@@ -200,11 +200,15 @@ class OptimizedStep:
                         executable="original", first_step_check="not run (fell back)")
         return _Entry(None, report, captured, None)
 
-    def _run_pipeline(self, args: tuple, kwargs: dict, options: Options | None = None, cap=None):
+    def _run_pipeline(self, args: tuple, kwargs: dict, options: Options | None = None, cap=None,
+                      cache: plan_cache.StepCache | None = None):
         """Capture + (leader-decided) pipeline: (capture or None, result or None, failure, timings).
         ``options``: the pipeline's options (default ``self.options``); ``cap``: a capture of
-        these arguments already made (not made again)."""
+        these arguments already made (not made again); ``cache``: the signature's plan cache
+        (``plan_cache.open_step``), or None."""
         options = self.options if options is None else options
+        if cap is None and cache is not None:
+            cap = cache.capture()  # a hit: the stored module, the step compiled without dumps
         # JAX rejecting the arguments is the user's error: it propagates from capture().
         if cap is None:
             try:
@@ -220,8 +224,11 @@ class OptimizedStep:
             return pipeline.run(text, options).to_json()
 
         try:
-            # Process 0 decides; every process gets the same plan (or all fall back).
-            result = pipeline.PipelineResult.from_json(multiprocess.leader_decides(text, plan))
+            # Process 0 decides (reading and writing the plan cache); every process gets the
+            # same plan (or all fall back).
+            decided = (cache.decide(cap, plan) if cache is not None
+                       else multiprocess.leader_decides(text, plan))
+            result = pipeline.PipelineResult.from_json(decided)
         except Exception as e:  # noqa: BLE001 - any internal failure must fall back
             return cap, None, e, timings
         timings.update(result.stage_seconds)
@@ -281,7 +288,8 @@ class OptimizedStep:
         backend = gpu_executor.backend_for(_platform_of(args, kwargs))
         if backend is not None:  # GPUs: our order compiled by XLA's backend only, loaded into JAX
             return gpu_executor.build_entry(self, args, kwargs, options, note, backend)
-        cap, result, failure, timings = self._run_pipeline(args, kwargs, options)
+        cache = plan_cache.open_step(self._fn, args, kwargs, options)
+        cap, result, failure, timings = self._run_pipeline(args, kwargs, options, cache=cache)
         unverified = ""
         if failure is None:
             cap, result, failure, timings, unverified = self._without_unverifiable(
@@ -299,10 +307,15 @@ class OptimizedStep:
                 t0 = time.perf_counter()
                 callbacks = cap.host_callbacks
                 executor.check_signature(text, result.text)
-                loaded, _ = executor.compile_replicated(
-                    result.text, cap.device_list, compiler_options=self.options.compiler_options,
-                    host_callbacks=callbacks)
-                compiled = executor.swap_executable(cap.compiled, loaded)
+                copts = self.options.compiler_options
+                compiled = cache.load(cap, result.text, copts) if cache is not None else None
+                if compiled is None:
+                    loaded, _ = executor.compile_replicated(
+                        result.text, cap.device_list, compiler_options=copts,
+                        host_callbacks=callbacks)
+                    compiled = executor.swap_executable(cap.compiled, loaded)
+                    if cache is not None:
+                        cache.save(cap, result.text, copts, loaded)
                 timings["compile"] = time.perf_counter() - t0
             except Exception as e:  # noqa: BLE001 - any internal failure must fall back
                 failure = e
@@ -388,7 +401,8 @@ class OptimizedStep:
                           stacklevel=5)
         log.warning("%s: %s", name, reason)
         options = dataclasses.replace(options, passes=tuple(p for p in options.passes if p not in dropped))
-        cap, result, failure, again = self._run_pipeline(args, kwargs, options, cap=cap)
+        cap, result, failure, again = self._run_pipeline(
+            args, kwargs, options, cap=cap, cache=plan_cache.open_step(self._fn, args, kwargs, options))
         timings = {**timings, **again}
         return cap, result, failure, timings, f"; {dropped} left out: they need the check"
 

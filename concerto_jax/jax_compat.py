@@ -531,3 +531,15 @@ def profile_data_from_file(path: str):
     from jax._src.lib import _profile_data
 
     return _profile_data.ProfileData.from_file(path)
+
+
+# -- the plan cache's key (checked on 0.11.2, 0.12.0.1) -----------------------------------------
+
+def lowering_facts(lowered) -> tuple[tuple | None, tuple]:
+    """``(devices, compiler options)`` of a ``jax.stages.Lowered``: the device assignment its
+    compile will use, in order (None where the lowering has none yet), and the options given to
+    ``jax.jit(compiler_options=...)`` as ``(name, value)`` pairs."""
+    lowering = lowered._lowering
+    devices = getattr(lowering, "_device_list", None)
+    return (tuple(devices) if devices is not None else None,
+            tuple(getattr(lowering, "_compiler_options_kvs", ()) or ()))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -105,6 +106,12 @@ class Options:
     # plans within its share of the budget (entry 1/2, a loop body 1/4, nested 1/8, ...:
     # ``passes.schedule_pass.budget_share``), never below its input order's peak.
     memory_budget: str = "xla"
+    # Persistent plan cache (concerto_jax.plan_cache): a second compile of the same step (same
+    # lowered program, devices or target, plan-changing options, versions) reuses the plan and,
+    # where one exists, the compiled executable, verified. "auto": $CONCERTO_JAX_CACHE_DIR, else
+    # $XDG_CACHE_HOME/concerto_jax/plans, else ~/.cache/concerto_jax/plans (read at each
+    # compile); a directory; None: off.
+    cache_dir: str | os.PathLike | None = "auto"
 
     def __post_init__(self):
         from concerto_jax.pipeline import pass_names
@@ -133,6 +140,9 @@ class Options:
         if self.first_step_reference not in ("original", "wider"):
             raise ValueError(f"first_step_reference must be 'original' or 'wider', got "
                              f"{self.first_step_reference!r}")
+        if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
+            raise TypeError(f"cache_dir must be a directory, 'auto' or None, got "
+                            f"{type(self.cache_dir).__name__}")
         if not isinstance(self.compiler_options, Mapping):
             raise TypeError(
                 f"compiler_options must be a mapping of XLA option -> value, got "

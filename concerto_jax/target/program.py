@@ -45,6 +45,7 @@ import time
 import warnings
 from collections.abc import Sequence
 
+from concerto_jax import plan_cache
 from concerto_jax.target.compile import (
     SCHEDULED_MARKER,
     SCHEDULED_PASS,
@@ -265,6 +266,10 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
     t0 = time.perf_counter()
     lowered = lower_for_target(step.trace(*abstract_args, **abstract_kwargs))
     seconds["lower"] = time.perf_counter() - t0
+    cache = plan_cache.open_target(lowered, cluster, options, via=via, guard_rewrites=guard_rewrites)
+    hit = cache.lookup(seconds) if cache is not None else None
+    if hit is not None:  # verified: every module parses, the handed one passes the verifier
+        return TargetResult(**hit)
     xla_opts = tuple((k, v) for k, v in dict(options.compiler_options).items())
     stock = compile_lowered(lowered, cluster, CompileOptions(
         dump_lhs=via == "backend_only", dump_spmd=True, dump_scheduled=via == "backend_only", extra=xla_opts))
@@ -288,7 +293,7 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
                       f"for {target} ({reason}); reporting the stock program", TargetFallbackWarning,
                       stacklevel=2)
         out = dict(final=stock_text, emitted=None, scheduled=None, passes=(), pins=0, via="stock",
-                   fallback_reason=reason)
+                   fallback_reason=reason, failed=True)
     t0 = time.perf_counter()
     m = measure(out["final"], stock_text, cost_model, planned_text=out.get("planned"),
                 planned_judged=out.get("planned_judged"))
@@ -303,7 +308,7 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
                    via="stock", fallback_reason=reason)
         m = measure(stock_text, stock_text, cost_model)
     seconds["simulate"] = time.perf_counter() - t0
-    return TargetResult(
+    result = TargetResult(
         target=target, final_text=out["final"], stock_final_text=stock_text,
         emitted_text=out["emitted"], scheduled_text=out["scheduled"],
         planned_step_us=m.planned_step_us, final_step_us=m.final_step_us, stock_step_us=m.stock_step_us,
@@ -312,6 +317,9 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
         fallback_reason=out.get("fallback_reason"), seconds={k: round(v, 2) for k, v in seconds.items()},
         via=out["via"], input_peak_bytes=out.get("input_peak_bytes"), peak_bytes=out.get("peak_bytes"),
         memory_limit_bytes=out.get("memory_limit_bytes"))
+    if cache is not None:
+        cache.save(result, failed=out.get("failed", False))
+    return result
 
 
 def _check_target_devices(target: str, devices) -> None:

@@ -1,0 +1,347 @@
+"""The persistent plan cache: what a second compile of the same step reuses (``Options.cache_dir``).
+
+``optimize`` (``api``, CPU path) and ``compile_for_target`` open a handle per compile, keyed by
+what determines the plan (``plan_keys``: the lowered program and its devices, the options, the
+code and JAX); a target compile's key adds the cluster (name, figures), its target config's
+SHA-256 and the CUDA plugin that compiles for it.
+
+Entries (``plan_store``: atomic directories, checksummed blobs):
+
+    step        the captured module, ``PipelineResult.to_json()`` and the step's compiled entry
+                layout. A hit (one process) skips XLA's dumped compile and every pass: JAX
+                compiles the step at the capture's level without dumps (its calling
+                convention), whose entry layout must equal the stored one; the emitted module
+                must parse and pass the IR verifier (``api`` then checks its signature
+                against the captured one, as for any plan)
+    executable  keyed by the emitted module's SHA-256, devices, compiler options and code: our
+                compiled executable's PJRT bytes (one process, no host callbacks), loaded
+                behind the step's header; its entry layout must equal the step's. A load that
+                fails is rejected: ours is compiled from the plan's text
+    target      a ``TargetResult``'s texts and figures (not one that fell back on an error);
+                every module in it must parse, the handed one pass the verifier
+
+Under ``jax.distributed`` every process captures as without a cache; process 0 alone reads and
+writes the cache inside ``multiprocess.leader_decides`` (a hit only if the stored captured
+module is the one it captured), every process verifies a plan that came from the cache, and
+all fall back together if any cannot. Executables are not cached there. A pass registered at
+run time (not ``pipeline.PASS_TABLE``'s own) turns the cache off for that compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import importlib.metadata
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+
+import hlo_passes
+from concerto_jax import capture as capture_lib
+from concerto_jax import jax_compat, multiprocess, pipeline
+from concerto_jax.gpu_executor import payload_device_count
+from concerto_jax.plan_keys import (
+    canonical,
+    code_part,
+    devices_part,
+    options_part,
+    program_part,
+    registered_passes,
+)
+from concerto_jax.plan_store import PlanStore, key_of, resolve_dir
+from concerto_jax.report import PassRecord
+
+log = logging.getLogger(__name__)
+
+LIGHT_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+"""How a hit compiles the step for its calling convention: the capture's options
+(``capture.capture``) without XLA's dumps. Its entry layout is checked against the stored one."""
+_FROM_CACHE = "plan_cache_hit"
+
+
+def _store(options, what: str) -> PlanStore | None:
+    root = resolve_dir(options.cache_dir)
+    if root is None:
+        return None
+    if not registered_passes(options.passes):
+        log.info("plan cache off for this %s: a pass of %s is registered at run time", what,
+                 list(options.passes))
+        return None
+    return PlanStore(root)
+
+
+def _verified_module(text: str, source: str) -> hlo_passes.HloModule:
+    """``text`` parsed and verified (raises ``hlo_passes.HloError`` otherwise)."""
+    module = hlo_passes.parse_module(text, source=source)
+    hlo_passes.verify(module)
+    return module
+
+
+# -- optimize ----------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Plan:
+    captured: str
+    data: dict
+    entry_layout: str
+
+
+class StepCache:
+    """The cache of one signature of ``optimize``: ``capture`` (a hit without XLA's dumps),
+    ``decide`` (the leader's plan, read or made and written), ``load`` / ``save`` (our
+    executable). Made by ``open_step``."""
+
+    def __init__(self, store: PlanStore, lowered, parts: dict):
+        self.store, self.lowered, self.parts = store, lowered, parts
+        self.key = key_of(parts)
+        self._plan: _Plan | None = None
+        self._looked = False
+        self._read_s = 0.0
+
+    def _read(self) -> _Plan | None:
+        """The stored plan, checked and verified (None: a miss, or a rejected entry)."""
+        t0 = time.perf_counter()
+        self._looked = True
+        entry = self.store.read("step", self.parts)
+        if entry is None:
+            return None
+        try:
+            data = json.loads(entry.blobs["plan.json"])
+            result = pipeline.PipelineResult.from_json(data)
+            _verified_module(result.text, "plan cache")
+            plan = _Plan(entry.blobs["captured.hlo"].decode(), data, entry.meta["entry_layout"])
+        except Exception as e:  # noqa: BLE001 - whatever is wrong, the entry is not trusted
+            self.store.reject("step", entry.key, f"its plan does not verify ({type(e).__name__}: "
+                                                 f"{str(e)[:300]})")
+            return None
+        self._read_s = time.perf_counter() - t0
+        return plan
+
+    def capture(self) -> capture_lib.Capture | None:
+        """On a hit in a single process: a ``Capture`` of the stored module with JAX's compile
+        of the step at the capture's level without XLA's dumps; else None (capture as usual)."""
+        if jax.process_count() > 1:
+            return None
+        plan = self._read()
+        if plan is None:
+            return None
+        t0 = time.perf_counter()
+        try:
+            compiled = self.lowered.compile(compiler_options=dict(LIGHT_COMPILE))
+            layout = jax_compat.entry_layout(jax_compat.xla_executable(compiled))
+        except Exception as e:  # noqa: BLE001 - capture as without a cache (it reports the error)
+            log.warning("plan cache: the step could not be compiled for its hit (%s: %s)",
+                        type(e).__name__, str(e)[:300])
+            return None
+        if layout != plan.entry_layout:
+            self.store.reject("step", self.key, "the step compiles to another entry layout "
+                              f"({layout[:200]}) than the stored ({plan.entry_layout[:200]})")
+            return None
+        self._plan = plan
+        devices = tuple(jax_compat.unloaded_executable(compiled).device_list)
+        log.info("plan cache hit: %s", self.store.path("step", self.key))
+        return capture_lib.Capture(hlo_text=plan.captured, compiled=compiled, device_list=devices,
+                                   num_partitions=len(devices), seconds=time.perf_counter() - t0)
+
+    def decide(self, cap: capture_lib.Capture | None, build: Callable[[], dict]) -> dict:
+        """``multiprocess.leader_decides`` with the cache on the leader: the stored plan where
+        there is one for this captured module, else ``build()``'s, written. A plan from the
+        cache is verified on every process (``LeaderPlanError`` on all if one cannot)."""
+        if cap is None:
+            return multiprocess.leader_decides("", build)
+
+        def leader() -> dict:
+            t0 = time.perf_counter()
+            plan = self._plan if self._plan is not None or self._looked else self._read()
+            if plan is not None and plan.captured != cap.hlo_text:
+                self.store.reject("step", self.key, "its captured module differs from the "
+                                                          "one this step captured")
+                plan = None
+            if plan is not None:
+                seconds = self._read_s + time.perf_counter() - t0
+                return {**plan.data, "stage_seconds": {"plan_cache": seconds}, _FROM_CACHE: True}
+            data = build()
+            self._write(cap, data)
+            return data
+
+        data = multiprocess.leader_decides(cap.hlo_text, leader)
+        if data.pop(_FROM_CACHE, False) and jax.process_count() > 1:
+            ok = True
+            try:
+                _verified_module(data["text"], "plan cache")
+            except Exception as e:  # noqa: BLE001 - reported jointly below
+                log.warning("the leader's cached plan does not verify here: %s", e)
+                ok = False
+            if not multiprocess.all_succeeded(ok):
+                raise multiprocess.LeaderPlanError(
+                    "the plan process 0 read from its plan cache does not verify on every process")
+        return data
+
+    def _write(self, cap: capture_lib.Capture, data: dict) -> None:
+        try:
+            layout = jax_compat.entry_layout(jax_compat.xla_executable(cap.compiled))
+            blobs = {"captured.hlo": cap.hlo_text.encode(), "plan.json": json.dumps(data).encode()}
+        except Exception as e:  # noqa: BLE001 - a plan we cannot store is only not cached
+            log.info("plan cache: the plan is not stored (%s: %s)", type(e).__name__, e)
+            return
+        self.store.write("step", self.parts, blobs, {"entry_layout": layout})
+
+    def _executable_parts(self, cap, text: str, compiler_options: Mapping) -> dict | None:
+        if jax.process_count() > 1 or cap.host_callbacks:
+            return None  # JAX's own cache does not store executables with host callbacks either
+        return {"emitted_sha256": hashlib.sha256(text.encode()).hexdigest(),
+                "devices": devices_part(cap.device_list),
+                "compiler_options": canonical(dict(compiler_options)), "code": code_part()}
+
+    def load(self, cap: capture_lib.Capture, text: str, compiler_options: Mapping) -> Any | None:
+        """Our compiled step (``jax.stages.Compiled``, JAX's calling convention) from the
+        stored executable of ``text``, or None: compile it."""
+        parts = self._executable_parts(cap, text, compiler_options)
+        entry = self.store.read("executable", parts) if parts is not None else None
+        if entry is None:
+            return None
+        try:
+            payload = entry.blobs["executable.pjrt"]
+            stored = payload_device_count(payload)
+            if stored is not None and stored != len(cap.device_list):
+                raise ValueError(f"compiled for {stored} devices, the step has {len(cap.device_list)}")
+            original = jax_compat.xla_executable(cap.compiled)
+            loaded = jax_compat.behind_header(original, payload, cap.device_list)
+            want, got = jax_compat.entry_layout(original), jax_compat.entry_layout(loaded)
+            if want != got:
+                raise ValueError(f"its entry layout {got[:200]} is not the step's {want[:200]}")
+            compiled = jax_compat.swapped_step(cap.compiled, loaded, assemble_outputs=False)
+        except Exception as e:  # noqa: BLE001 - compile from the text instead
+            self.store.reject("executable", entry.key, f"it could not be loaded ({type(e).__name__}: "
+                                                       f"{str(e)[:300]})")
+            return None
+        log.info("plan cache: loaded our executable %s", entry.key[:12])
+        return compiled
+
+    def save(self, cap: capture_lib.Capture, text: str, compiler_options: Mapping, loaded) -> None:
+        """Store ``loaded`` (our executable of ``text``) where the client can serialize it."""
+        parts = self._executable_parts(cap, text, compiler_options)
+        if parts is None:
+            return
+        try:
+            payload = jax_compat.pjrt_payload(loaded)
+        except Exception as e:  # noqa: BLE001 - a client that cannot serialize: plan only
+            log.info("plan cache: our executable is not stored (%s: %s)", type(e).__name__, e)
+            return
+        self.store.write("executable", parts, {"executable.pjrt": payload},
+                         {"num_devices": len(cap.device_list)})
+
+
+def open_step(fn, args: tuple, kwargs: dict, options) -> StepCache | None:
+    """The plan cache of ``fn``'s signature for ``args``/``kwargs`` under ``options`` (the
+    pipeline's), or None where the cache is off or the step cannot be keyed (logged)."""
+    try:
+        store = _store(options, "step")
+        if store is None:
+            return None
+        lowered = fn.lower(*args, **kwargs)
+        parts = {"program": program_part(lowered), "options": options_part(options),
+                 "code": code_part()}
+    except Exception as e:  # noqa: BLE001 - no key: compile as without a cache
+        log.info("plan cache off for this step (%s: %s)", type(e).__name__, str(e)[:200])
+        return None
+    return StepCache(store, lowered, parts)
+
+
+# -- compile_for_target ------------------------------------------------------------------------
+
+_TEXTS = {"final_text": "final.hlo", "stock_final_text": "stock_final.hlo",
+          "emitted_text": "emitted.hlo", "scheduled_text": "scheduled.hlo"}
+
+
+class TargetCache:
+    """The cache of one ``compile_for_target`` call: ``lookup`` (the stored result's fields)
+    and ``save``. Made by ``open_target``."""
+
+    def __init__(self, store: PlanStore, parts: dict, reads: bool):
+        self.store, self.parts, self.reads = store, parts, reads
+        self.key = key_of(parts)
+
+    def lookup(self, seconds: Mapping[str, float]) -> dict | None:
+        """The fields of the stored ``TargetResult`` (``seconds``: this call's, plus the hit's),
+        verified; None on a miss."""
+        if not self.reads:
+            return None
+        t0 = time.perf_counter()
+        entry = self.store.read("target", self.parts)
+        if entry is None:
+            return None
+        try:
+            fields = json.loads(entry.blobs["result.json"])
+            for field, blob in _TEXTS.items():
+                fields[field] = entry.blobs[blob].decode() if blob in entry.blobs else None
+                if fields[field] is not None:
+                    module = hlo_passes.parse_module(fields[field], source=f"plan cache {blob}")
+                    if field == "emitted_text":
+                        hlo_passes.verify(module)
+            fields["passes"] = tuple(PassRecord(**p) for p in fields["passes"])
+        except Exception as e:  # noqa: BLE001 - whatever is wrong, the entry is not trusted
+            self.store.reject("target", entry.key, f"its result does not verify ({type(e).__name__}: "
+                                                   f"{str(e)[:300]})")
+            return None
+        fields["seconds"] = {**{k: round(v, 2) for k, v in seconds.items()},
+                             "plan_cache": round(time.perf_counter() - t0, 2)}
+        log.info("plan cache hit: %s", self.store.path("target", entry.key))
+        return fields
+
+    def save(self, result, failed: bool) -> None:
+        """Store ``result`` (a ``TargetResult``) unless it reports the stock program after a
+        failure (``failed``: a failure may not happen again)."""
+        if failed:
+            return
+        fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
+        blobs = {blob: fields.pop(field).encode() for field, blob in _TEXTS.items()
+                 if fields.get(field) is not None}
+        for field in _TEXTS:
+            fields.pop(field, None)
+        fields["passes"] = [dataclasses.asdict(p) for p in fields["passes"]]
+        try:
+            blobs["result.json"] = json.dumps(fields, default=_json_scalar).encode()
+        except (TypeError, ValueError) as e:
+            log.info("plan cache: the target result is not stored (%s)", e)
+            return
+        self.store.write("target", self.parts, blobs)
+
+
+def _json_scalar(value):
+    if hasattr(value, "item") and hasattr(value, "dtype"):  # numpy scalars in pass statistics
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+def open_target(lowered, cluster, options, **settings) -> TargetCache | None:
+    """The plan cache of a ``compile_for_target`` call (``settings``: its other arguments that
+    change the result, e.g. ``via``), or None where it is off or the step cannot be keyed."""
+    try:
+        store = _store(options, "target compile")
+        if store is None:
+            return None
+        plugin = importlib.import_module("jax_plugins.xla_cuda13")
+        plugin_dir = os.path.dirname(plugin.__file__)
+        libs = sorted(n for n in os.listdir(plugin_dir) if n.endswith(".so"))
+        plugin_files = [[n, os.stat(os.path.join(plugin_dir, n)).st_size] for n in libs]
+        parts = {"program": program_part(lowered), "options": options_part(options),
+                 "code": code_part(), "settings": canonical(settings),
+                 "cluster": canonical(cluster), "plugin": [plugin_dir, plugin_files],
+                 "target_config_sha256": hashlib.sha256(
+                     cluster.target_config_text().encode()).hexdigest()}
+    except Exception as e:  # noqa: BLE001 - no key: compile as without a cache
+        log.info("plan cache off for this target compile (%s: %s)", type(e).__name__, str(e)[:200])
+        return None
+    reads = options.dump_dir is None
+    if not reads:
+        log.info("plan cache: not read for this target compile (dump_dir asks for the modules "
+                 "of a real compile); its result is stored")
+    return TargetCache(store, parts, reads)
+
