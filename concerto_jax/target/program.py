@@ -143,7 +143,7 @@ def _with_fused_reference(options, reference: str | None, budget: int | None = N
 
 def _copy_to_reshape(text: str) -> str:
     """Identity ``reshape`` in place of layout-preserving ``copy`` (the deviceless compile path
-    refuses to legalise ``mhlo.copy``; DESIGN.md section 5)."""
+    refuses to legalise ``mhlo.copy``; docs/ARCHITECTURE.md F3)."""
     import hlo_passes
     from hlo_passes.ir import Instruction
 
