@@ -486,7 +486,7 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
             if dec is not None and dec.stats.get("replicated") and dec.stats.get("split_changed"):
                 # the split lost, but the replicated-operand collectives may pay alone (a 3-D
                 # dp x fsdp x tp step: its embedding's gather over the data groups, 1.121x ->
-                # 1.133x; WORKSPACE_NOTES session 15)
+                # 1.133x; docs/DECISIONS.md D23)
                 t0 = time.perf_counter()
                 alt = _without_split(pre_opts, stock.post_spmd_text, devices, options, cost_model,
                                      budget, scheduled_at_program, tuned if tune else None)
