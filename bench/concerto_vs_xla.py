@@ -1,6 +1,6 @@
 """Concerto(S) vs stock XLA: our RCPSP and XLA's latency hiding scheduler ordering the SAME fused graph.
 
-The fair comparison of ``DESIGN.md`` section 5 and issue 4 item 6. For each
+The fair comparison of ``docs/ARCHITECTURE.md`` F4. For each
 suite case (``bench.suite``):
 
 1. Deviceless GPU compile (``concerto_jax.target.compile_lowered``) with the

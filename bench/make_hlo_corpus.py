@@ -6,7 +6,7 @@ Two families of modules:
   jitted function on an 8-device CPU mesh (``xla_dump_hlo_pass_re=spmd-partitioning``);
 * ``gpu_<case>.{final,before_lhs,after_lhs}.hlo``: XLA's scheduled GPU module
   from a deviceless compile for 8xH100 (``compiled.as_text()``) and the module
-  just before/after the latency-hiding scheduler (DESIGN.md section 5).
+  just before/after the latency-hiding scheduler (docs/ARCHITECTURE.md F4).
 
 Usage::
 

@@ -378,7 +378,7 @@ class OptimizedStep:
     def _without_unverifiable(self, cap, result, timings: dict, args: tuple, kwargs: dict, name: str,
                               options: Options):
         """Passes that reassociate sums declare a tolerance that only the first-step check
-        verifies (bf16 region splits can exceed it: WORKSPACE_NOTES, session 8). Where the
+        verifies (bf16 region splits can exceed it: docs/DECISIONS.md D6). Where the
         check cannot run (side effects, memory) and the user did not turn it off, the
         pipeline runs again without those passes, with one warning. Returns
         ``(cap, result, failure, timings, words for the report)``."""

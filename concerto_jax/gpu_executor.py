@@ -2,8 +2,8 @@
 backend only, loaded on JAX's client behind the step's serialization header.
 
 On a GPU, XLA's Python compile path reschedules whatever module it receives, so the plan is
-handed to XLA's backend alone (the path ``compile_for_target`` uses deviceless, WORKSPACE_NOTES
-issue #9) and the executable comes back into JAX through serialization. Stages (any failure:
+handed to XLA's backend alone (the path ``compile_for_target`` uses deviceless, docs/DECISIONS.md
+D10) and the executable comes back into JAX through serialization. Stages (any failure:
 ``GpuRouteError`` naming the stage; ``optimize`` then runs the original step with one warning)::
 
     stock_compile    the step lowered and compiled by JAX on the real client at the normal

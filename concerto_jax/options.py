@@ -163,13 +163,13 @@ the check does). Turn them on with ``Options(passes=GPU_ROUTE_PASSES)``."""
 GPU_ROUTE_CHECKED: bool = False
 """Whether ``python -m concerto_jax.gpu_check`` item a (the full route on real train steps, 3
 steps bitwise equal to plain ``jax.jit``, our order present in the loaded executable) has passed
-on real hardware. Set it to True, with the run recorded in WORKSPACE_NOTES, once it has: the
+on real hardware. Set it to True, with the run recorded in docs/RESULTS.md, once it has: the
 GPU default then becomes ``GPU_ROUTE_PASSES``."""
 
 GPU_DEFAULT_PASSES: tuple[str, ...] = GPU_ROUTE_PASSES if GPU_ROUTE_CHECKED else ()
 """Passes ``optimize`` runs when the user gives no ``Options`` and the step runs on GPUs: the
-identity until the GPU route has passed ``gpu_check`` on a GPU (``GPU_ROUTE_CHECKED``); no GPU
-was lent to the session that built it."""
+identity until the GPU route has passed ``gpu_check`` on a GPU (``GPU_ROUTE_CHECKED``); it has
+not run on one yet."""
 
 _GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
 

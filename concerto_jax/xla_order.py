@@ -1,6 +1,6 @@
 """XLA's order on our task graph: map the order of one HLO module onto the tasks of another.
 
-The fair comparison with XLA's latency hiding scheduler (DESIGN.md §5) judges
+The fair comparison with XLA's latency hiding scheduler (docs/ARCHITECTURE.md F4) judges
 XLA's final order and ours on ONE task graph, built from the module LHS
 received. XLA's final module is the same program after LHS and a few later
 passes; ``map_order`` lays its order onto the graph's tasks by instruction name

@@ -122,7 +122,7 @@ def _kept_axis(inst: Instruction, plan: SplitPlan, n: int, wide: bool):
     chunk. XLA tree-rewrites the original and fuses its partial sums with the norm's dx;
     a chunk falls under the bound and XLA materialises the f32 product for it instead
     (held-out TP step, 8,192 -> 4,096 rows: +27 us of writes and a separate dx kernel per
-    norm and chunk; WORKSPACE_NOTES session 16). So each chunk reduces over the other axes
+    norm and chunk; docs/DECISIONS.md D25). So each chunk reduces over the other axes
     only (rows per batch entry, e.g. 1,024), which XLA fuses with dx; the chunks' partials
     (the split axis kept, at chunk size) are combined and reduced over that axis once.
     Where the chunks stay above the bound (XLA tree-rewrites them as it did the

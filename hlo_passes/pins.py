@@ -4,7 +4,7 @@ XLA's GPU compiler reschedules every module it receives through JAX's Python
 path (HLO -> StableHLO drops the schedule), but it keeps data dependencies,
 and an ``opt-barrier`` is one it may not see through. A collective ``c``
 whose planned *window* is the compute ``W`` between its start and its done is
-pinned by two barriers (DESIGN.md section 5, "Opt-barriers pin a collective's
+pinned by two barriers (docs/ARCHITECTURE.md F7, "Opt-barriers pin a collective's
 window")::
 
     (c_in', x1', x2', ...) = opt-barrier((c_in, x1, x2, ...))   # before: W's inputs and c's operand

@@ -378,7 +378,7 @@ def test_rewrite_guard_tries_the_replicated_collectives_without_the_split(monkey
     the hosts pays sliced over the tensor-parallel group (decompose's replicated collectives).
     Where the whole rewrite loses on XLA's module (here made to lose: the first plan the
     guard makes, the split program's, is judged 3x slower than it is; a real case is the 3-D
-    dp x fsdp x tp step of WORKSPACE_NOTES session 15), the guard plans the rewrite without
+    dp x fsdp x tp step of docs/DECISIONS.md D23), the guard plans the rewrite without
     the split (DecomposeOptions.split=False) against the original and keeps the faster: the
     records, the figure and the handed module must agree."""
     import dataclasses
@@ -559,7 +559,7 @@ def test_rewrite_guard_searches_both_programs_when_the_rewrite_loses(monkeypatch
 
 
 def test_rewrite_guard_searches_the_original_where_the_rewrites_search_outruns_its_lead():
-    # Figures of two suite cases (bench/results/decompose.md, WORKSPACE_NOTES session 17):
+    # Figures of two suite cases (bench/results/decompose.md, docs/DECISIONS.md D23):
     # gpt_zero3_16's split led by 108.7 us at XLA's thresholds and its own search moved it
     # 815.6 us (the original's search then beat it); gpt_dp2_tp8_2hosts's led by 1,153.6 us
     # and its search moved it 328.4 us (the lead stands, no second search).

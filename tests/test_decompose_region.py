@@ -323,7 +323,7 @@ def test_region_heldout_three_steps(layout):
 def test_half_precision_partials_accumulate_in_f32():
     """bf16 partial members: the weight-gradient dot's chunks output f32; with
     ``wide_partials`` the sum's chunks also reduce in f32 (a new scalar f32 add computation);
-    one convert back to bf16 each (WORKSPACE_NOTES, session 5)."""
+    one convert back to bf16 each (docs/DECISIONS.md D24)."""
     text = (_TEXT.replace("f32[8,16]", "bf16[8,16]").replace("f32[16,4]", "bf16[16,4]")
             .replace("f32[8,4]", "bf16[8,4]").replace("%loss = f32[]", "%loss = bf16[]")
             .replace("%zero = f32[]", "%zero = bf16[]").replace("-> (bf16[16,4], f32[],", "-> (bf16[16,4], bf16[],")

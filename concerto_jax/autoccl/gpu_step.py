@@ -16,8 +16,8 @@ result is stored per step signature (HLO fingerprint x devices) and reused at
 the next start without tuning; the step is compiled once more with the
 user's own command-buffer setting.
 
-Not exercised on a GPU in this project yet (no GPU was available): the CPU
-tests cover the loop, the plugin and the keys; see WORKSPACE_NOTES.md.
+Not exercised on a GPU yet: the CPU tests cover the loop, the plugin and the
+keys (docs/DECISIONS.md D32; open points in WORKSPACE_NOTES.md).
 
 References:
   AutoCCL NSDI'25 §4.3, §5.

@@ -233,7 +233,7 @@ def fused_costs(post_spmd_module, xla_scheduled, cost_model: CostModel, *, rule:
       unmapped: cost of the other unmapped instructions: ``"estimate"`` (the unfused
         estimate; conservative placement) or ``"zero"`` (every XLA kernel's time is already
         assigned to mapped instructions, so this makes the total equal XLA's kernel time
-        minus ``unattributed_us``; see WORKSPACE_NOTES, session 4 fusion-aware costs).
+        minus ``unattributed_us``; see docs/DECISIONS.md D21).
 
     Returns:
       A ``FusedCosts``.

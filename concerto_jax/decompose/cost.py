@@ -40,7 +40,7 @@ CALIBRATION_FILE = os.path.join(os.path.dirname(__file__), "calibration.json")
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-    """Measured figures the cost uses (see ``WORKSPACE_NOTES.md``, Issue #11).
+    """Measured figures the cost uses (see ``docs/DECISIONS.md`` D29).
 
     Attributes:
       overlap_slowdown: compute time while a collective runs / alone (>= 1).

@@ -70,14 +70,14 @@ class DecomposeOptions:
     fused_unmapped: str = "zero"
     # With fused costs: the slices / concatenations a split adds cost their unfused estimate
     # ("estimate": a memory pass each) or nothing ("zero": XLA fuses them into the
-    # neighbouring kernels). Measured in WORKSPACE_NOTES (Issue #11, fused costs).
+    # neighbouring kernels). Measured in docs/DECISIONS.md D22.
     split_copies: str = "estimate"
     # Which splits isolate their chunks: chunk k >= 1 reads every operand from outside its
     # context through its own chain of k opt-barriers (split_instructions(isolate=True));
     # without them XLA's GPU pipeline fuses the chunks back together (sibling multi-output
     # fusion, dot merger: they share weights and norms) and the merged kernel waits for
     # every chunk's collective. "regions" (default): region splits only; "all": contexts
-    # too; "none". Measured (WORKSPACE_NOTES, Issue #11, session 5): a region split of
+    # too; "none". Measured (docs/DECISIONS.md D24): a region split of
     # gpt_tp8_nvlink is 10,306.2 us without, 8,379.0 with; the context split kept on
     # gpt_dp2_tp8_2hosts 7,024.7 without, 7,170.8 with.
     isolate_chunks: str = "regions"
@@ -111,7 +111,7 @@ class DecomposeOptions:
     # once (hlo_passes.decompose_rewrite._kept_axis; f32 reduces, half-precision ones with
     # wide_partials). Otherwise XLA materialises such a chunk's f32 input instead of fusing
     # the reduce with dx. Held-out TP step (8,192 -> 4,096 rows): 7,985.7 -> 7,528.6 us of
-    # kernels, 1.203x -> 1.272x (WORKSPACE_NOTES session 16). Reassociates the same sums.
+    # kernels, 1.203x -> 1.272x (docs/DECISIONS.md D25). Reassociates the same sums.
     partials_keep_axis: bool = True
     # After a while body's region split, rotate the loop around one of the body's
     # collectives (hlo_passes.pipelining.rotate_loop: the last chunk's final collective of

@@ -25,8 +25,8 @@ The rewrite (``hlo_passes.decompose_rewrite.split_instructions``) then makes
 the weights (each chunk reads them through its own ``opt-barrier`` chain so
 that XLA cannot fuse the chunks back together), with the weight gradients
 summed. Partial sums reassociate: a region with a partial member is declared
-with a tolerance. Measured gains and costs: WORKSPACE_NOTES, Issue #11
-(session 5).
+with a tolerance. Measured gains and costs: docs/DECISIONS.md
+D24.
 
 References: Concerto (ASPLOS'25) §5.1 (decomposition context, BFS both ways);
 the grouping of a step into independent micro-batches whose communication
@@ -338,7 +338,7 @@ def pull_in_inputs(region: Region, comp, rounds: int = 1) -> Region:
     the region late (a loss's targets, a mask) is sliced where it is small, instead of
     being computed whole and sliced where it is large: GPT's one-hot targets are an
     f32[batch, seq, vocab] that XLA would otherwise materialise to slice (measured in
-    WORKSPACE_NOTES, session 8).
+    docs/DECISIONS.md D25).
     """
     def walk(current: Region, op, d):
         if not _joinable(op, comp) or d not in rules.axis_map(op) or _replicable(op, d):

@@ -9,7 +9,7 @@ starts before the transfer ends (the rest of the gap before the first reader
 is not needed to hide it), and ``hlo_passes.pins`` ties that window with two
 ``opt-barrier``s, so that XLA's latency hiding scheduler, which reorders the
 module it receives, overlaps the collective with that compute and not another
-(DESIGN.md section 5). Short windows keep barriers few: they block fusion
+(docs/ARCHITECTURE.md F7). Short windows keep barriers few: they block fusion
 across them. Barriers do not change any value.
 """
 

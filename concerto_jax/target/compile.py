@@ -1,6 +1,6 @@
 """Compile a jitted step for a target GPU cluster on a machine without a GPU (deviceless).
 
-Recipe (checked with jax/jaxlib 0.10.2, ``DESIGN.md`` section 5): the CUDA PJRT
+Recipe (``docs/ARCHITECTURE.md`` F3, checked with jax/jaxlib 0.10.2): the CUDA PJRT
 plugin describes a topology from a shipped ``GpuTargetConfigProto``
 (``concerto_jax/targets/*.txtpb``); a mesh over that topology's devices
 gives shardings; ``jit(...).trace(*abstract).lower().compile(options)`` runs

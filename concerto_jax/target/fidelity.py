@@ -5,7 +5,7 @@
 * planned: the same graph (the program XLA runs: fused, pinned) with every async
   collective started as soon as its operands allow and waited for right before its
   first reader: the window the pins ask XLA to keep, judged on the graph XLA runs
-  (DESIGN.md section 5: plan and result must be compared on one program).
+  (docs/ARCHITECTURE.md F4: plan and result must be compared on one program).
 * stock: XLA's final module of the original step, in XLA's order.
 
 Overlap of a collective = the part of its transfer interval during which a kernel

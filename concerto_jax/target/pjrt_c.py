@@ -8,7 +8,7 @@ PJRT C API takes programs in ``"hlo"`` format (a serialized ``HloModuleProto``) 
 ``RunHloPasses`` and runs only ``RunBackend``. The GPU compiler's scheduling step leaves a
 module that already carries a schedule as it is ("Module already has a schedule, do
 nothing"), so a scheduled module keeps its order (checked: ``tests/test_pjrt_c.py``,
-WORKSPACE_NOTES issue #9).
+docs/DECISIONS.md D10).
 
 What is used of the C API (``xla/pjrt/c/pjrt_c_api.h``; the plugin of jaxlib 0.10.2
 reports API version 0.112; the ``PJRT_Api`` table and the argument structs are

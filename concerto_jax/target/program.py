@@ -144,7 +144,7 @@ def _with_fused_reference(options, reference: str | None, budget: int | None = N
 
 def _copy_to_reshape(text: str) -> str:
     """Identity ``reshape`` in place of layout-preserving ``copy`` (the deviceless compile path
-    refuses to legalise ``mhlo.copy``; DESIGN.md section 5)."""
+    refuses to legalise ``mhlo.copy``; docs/ARCHITECTURE.md F3)."""
     import hlo_passes
     from hlo_passes.ir import Instruction
 
@@ -494,7 +494,7 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
             if dec is not None and dec.stats.get("replicated") and dec.stats.get("split_changed"):
                 # the split lost, but the replicated-operand collectives may pay alone (a 3-D
                 # dp x fsdp x tp step: its embedding's gather over the data groups, 1.121x ->
-                # 1.133x; WORKSPACE_NOTES session 15)
+                # 1.133x; docs/DECISIONS.md D23)
                 t0 = time.perf_counter()
                 alt = _without_split(pre_opts, stock.post_spmd_text, devices, options, cost_model,
                                      budget, scheduled_at_program, tuned if tune else None)
