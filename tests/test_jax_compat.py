@@ -54,6 +54,18 @@ def test_optimize_on_an_unchecked_jax_runs_the_original_with_one_warning(monkeyp
         strict(*make_args())
 
 
+def test_compile_for_target_on_an_unchecked_jax_refuses_before_any_compile(monkeypatch):
+    from concerto_jax.target import program
+    monkeypatch.setattr(jax_compat, "jax_versions", lambda: ("0.13.0", "0.13.0"))
+    monkeypatch.delenv(jax_compat.ALLOW_ENV, raising=False)
+    compiled = []
+    monkeypatch.setattr(program, "compile_lowered", lambda *a, **k: compiled.append(a))
+    step, make_args = _mlp_step(_mesh())
+    with pytest.raises(jax_compat.UnsupportedJaxVersion, match="jax 0.13.0"):
+        concerto_jax.compile_for_target(step, *make_args())
+    assert compiled == []
+
+
 def test_ifrt_header_length_rejects_what_is_not_a_serialized_executable():
     with pytest.raises(ValueError, match="no varint-delimited IFRT header"):
         jax_compat.ifrt_header_length(b"\xff\xff")

@@ -45,7 +45,7 @@ import time
 import warnings
 from collections.abc import Sequence
 
-from concerto_jax import plan_cache
+from concerto_jax import jax_compat, plan_cache
 from concerto_jax.target.compile import (
     SCHEDULED_MARKER,
     SCHEDULED_PASS,
@@ -243,6 +243,7 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
       a failure), so the result is never slower than stock by this simulator.
 
     Raises:
+      UnsupportedJaxVersion: the installed JAX is outside the checked range (``jax_compat``).
       GpuPluginMissingError: the CUDA plugin is not installed.
       TypeError: ``step`` is not jitted.
       ValueError: unknown target or ``via``; a step sharded over this machine's (cpu)
@@ -255,6 +256,7 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
 
     if via not in ("backend_only", "pin"):
         raise ValueError(f"via must be 'backend_only' or 'pin', got {via!r}")
+    jax_compat.check_supported()  # dump names, compile options, the PJRT C API: never guess
     require_gpu_plugin()
     jit_info(step)
     options = Options(passes=("schedule",), target=target) if options is None else options
