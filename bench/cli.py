@@ -60,6 +60,10 @@ def main(argv=None) -> int:
     d.add_argument("--thresholds", default=None, metavar="B,B,...",
                    help="Options.combine_thresholds in bytes (default: the Options default); "
                         "'none': XLA's combine thresholds only")
+    from bench import compile_time
+
+    compile_time.add_arguments(sub.add_parser(
+        "compile_time", help="stock XLA vs our first compile vs our compile from the plan cache"))
     dc = sub.add_parser("decompose-calibrate",
                         help="measure the decomposition's chunk overhead and overlap slowdown (CPU)")
     dc.add_argument("--repeats", type=int, default=15)
@@ -68,6 +72,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "concerto":
         return concerto_vs_xla.run_from_args(args, "python -m bench.cli concerto")
+    if args.command == "compile_time":
+        return compile_time.run_from_args(args, argv if argv is not None else sys.argv[2:])
     # The deviceless GPU compile needs JAX on CPU; set before JAX starts (the CLI, not the library).
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     setup = "XLA:CPU multi-threaded, all cores (--multithreaded)."
