@@ -46,6 +46,26 @@ def test_ring_all_reduce_is_alpha_beta():
     assert cost.time_us == pytest.approx(8.4 + 14 * 3.4 + 1750.0)
 
 
+def test_nvls_all_reduce_where_the_switch_reduces():
+    h100 = get_cluster("h100_sxm_8")
+    big = 16 << 20
+    nvls = collective_cost("all-reduce", big, range(8), h100)
+    # 25 us + 2*7/8 * 16 MiB / (450 GB/s * 0.8 * 480/370): NCCL's NVLS price (tuning.cc v2.27.7)
+    assert nvls.algorithm == "nvls" and nvls.protocol == "Simple"
+    assert nvls.time_us == pytest.approx(25.0 + 1e6 * 1.75 * big / (450e9 * 0.8 * 480 / 370))
+    ring = collective_cost("all-reduce", big, range(8), h100, CollectiveOptions(nvls=False))
+    assert ring.algorithm in ("ring", "tree") and ring.time_us > 1.3 * nvls.time_us
+    # small messages stay on the ring's LL protocol: NVLS's 25 us latency loses there
+    assert collective_cost("all-reduce", 64 << 10, range(8), h100).algorithm == "ring"
+    # no NVLS: without an NVSwitch that reduces (A100, PCIe, HGX 4-GPU boards), across hosts,
+    # for other collectives, or where the algorithm is forced
+    for name, group in (("a100_80_8", range(8)), ("h100_pcie_8", range(8)), ("h100_sxm_2x4", range(4)),
+                        ("h100_sxm_2x8", [0, 8])):
+        assert collective_cost("all-reduce", big, group, get_cluster(name)).algorithm != "nvls", name
+    assert collective_cost("all-gather", big, range(8), h100).algorithm == "ring"
+    assert collective_cost("all-reduce", big, range(8), h100, CollectiveOptions(algorithm="ring")).algorithm == "ring"
+
+
 def test_latency_dominates_small_messages_and_bandwidth_large():
     c = get_cluster("h100_sxm_8")
     small = collective_cost("all-reduce", 1024, range(8), c)

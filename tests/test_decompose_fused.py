@@ -10,7 +10,7 @@ import pytest
 
 import concerto_jax
 from concerto_jax import scheduler
-from concerto_jax.costmodel import CostModel, get_cluster
+from concerto_jax.costmodel import CostModel, collective_cost, get_cluster
 from concerto_jax.costmodel.fused import fused_costs
 from concerto_jax.decompose.cost import Calibration
 from concerto_jax.decompose.options import DecomposeOptions
@@ -69,12 +69,13 @@ def test_fused_reference_makes_the_hidden_all_reduce_critical():
     unfused = decompose_pass(parse_module(pre_text()), _options(None)).stats
     fused = decompose_pass(parse_module(pre_text()), _options(xla_text())).stats
     assert unfused["costs"] == "unfused" and fused["costs"] == "fused"
-    # one kernel per op: 8 x 52 us of independent chain cover the 210.6 us all-reduce
+    # one kernel per op: 8 x 52 us of independent chain cover the all-reduce (150.7 us, NVLS)
     assert unfused["critical"] == 0 and unfused["judged"]["main"]["exposed_comm_us"] == 0.0
     # XLA's kernels: the chain is one 52 us loop fusion, most of the all-reduce is exposed
     assert fused["critical"] == 1
     rec = fused["most_exposed"][0]
-    assert rec["collective"] == "ar" and rec["exposed_us"] > 100.0
+    ar_us = collective_cost("all-reduce", 2048 * 4096 * 4, range(8), get_cluster("h100_sxm_8")).time_us
+    assert rec["collective"] == "ar" and rec["exposed_us"] > 0.5 * ar_us
     # the judge's compute is XLA's kernel time (every instruction mapped)
     s = fused["fused_costs"]
     assert s["coverage"] == 1.0 and s["fused_total_us"] == pytest.approx(s["kernel_us"])

@@ -78,14 +78,18 @@ def _read_target(file_name: str) -> str:
 _NDR_400 = "NVIDIA ConnectX-7 datasheet: NDR InfiniBand 400 Gb/s per port, one port per GPU (DGX H100)"
 _H100_NVL = "H100 SXM NVLink 4: 900 GB/s bidirectional per GPU = 450 GB/s per direction (H100 datasheet)"
 _A100_NVL = "A100 SXM NVLink 3: 600 GB/s bidirectional per GPU = 300 GB/s per direction (A100 datasheet)"
+_H100_NVLS = 480 / 370
+"""NVLS over ring all-reduce bus bandwidth on 8x H100 SXM (NVSwitch with multicast): nccl-tests
+measurements of about 480 GB/s with NVLS against 360-370 GB/s with the ring (NVIDIA/nccl-tests
+issues 212 and 309, NVIDIA/nccl issue 2140). HGX 4-GPU boards have no NVSwitch, A100 no NVLS."""
 _PCIE5 = "PCIe Gen5 x16: 64 GB/s per direction (H100 PCIe datasheet: 128 GB/s bidirectional); no NVLink bridge"
 
 CLUSTERS: dict[str, Cluster] = {
     c.name: c
     for c in (
-        Cluster("h100_sxm_8", specs.H100_SXM, 1, 8, specs.nvlink(450e9, _H100_NVL), None,
+        Cluster("h100_sxm_8", specs.H100_SXM, 1, 8, specs.nvlink(450e9, _H100_NVL, _H100_NVLS), None,
                 "h100_sxm.txtpb", "h100x8", "8x H100 SXM, NVLink 4, one host"),
-        Cluster("h100_sxm_2x8", specs.H100_SXM, 2, 8, specs.nvlink(450e9, _H100_NVL),
+        Cluster("h100_sxm_2x8", specs.H100_SXM, 2, 8, specs.nvlink(450e9, _H100_NVL, _H100_NVLS),
                 specs.network(400.0, _NDR_400), "h100_sxm.txtpb", "h100x16",
                 "2 hosts x 8 H100 SXM, NVLink in a host, 400 Gb/s NDR IB per GPU between hosts"),
         Cluster("h100_sxm_2x4", specs.H100_SXM, 2, 4, specs.nvlink(450e9, _H100_NVL),

@@ -19,6 +19,13 @@ takes the fastest, as NCCL's tuner does from its own cost table.
   boundary pay the network's per-step latency (as in NCCL's model).
   All-to-all splits its traffic into the on-host part over the GPU link and
   the off-host part over the rank's own NIC.
+* NVLS (NVLink SHARP): on a host whose NVSwitch reduces in the switch (H100 SXM, NCCL >= 2.17,
+  on by default where multicast is available) NCCL's tuner also prices an all-reduce within
+  the host as ``25 us + bus_factor * bytes / (bw * link_efficiency * nvls_bus_ratio)``
+  (``hwLat[NVLINK][NVLS][Simple]``, Simple protocol only) and takes the fastest: NVLS wins
+  from about 1-2 MiB per rank. A group spanning hosts stays on ring/tree (NCCL's NVLSTree is
+  not modelled). ``CollectiveOptions.nvls=False`` is a host without it (``NCCL_NVLS_ENABLE=0``,
+  no fabric manager, a container without multicast).
 * ``link_efficiency`` is the achieved fraction of a link's peak (configured,
   not measured: nccl-tests on 8x H100 SXM report about 360-370 GB/s all-reduce
   busbw of 450, i.e. ~0.8).
@@ -68,11 +75,14 @@ class CollectiveOptions:
       algorithm: ``auto`` (fastest of ring/tree), ``ring`` or ``tree``.
       protocols: NCCL protocols the tuner may pick from.
       link_efficiency: achieved fraction of peak link bandwidth (configured, ~0.8 from nccl-tests).
+      nvls: NCCL may run a single-host all-reduce as NVLS where the link has it
+        (``LinkSpec.nvls_bus_ratio``); only with ``algorithm="auto"``.
     """
 
     algorithm: str = "auto"
     protocols: tuple[str, ...] = _PROTOCOLS
     link_efficiency: float = 0.8
+    nvls: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,10 +174,7 @@ def collective_cost(
                 else:
                     transfer = bus_factor(op, n) * nbytes / (bw * frac)
             elif algo == "tree":
-                if base["tree"][p] == 0.0 and proto == "Simple":
-                    base_lat = base["ring"][p]
-                else:
-                    base_lat = base["tree"][p]
+                base_lat = base["tree"][p]
                 hops = (k - 1) * intra.hop_us("tree")[p]
                 if spans:
                     hops += math.log2(hosts) * cluster.inter_link.hop_us("tree")[p]
@@ -180,6 +187,13 @@ def collective_cost(
                 best = cost
     if best is None:
         raise ValueError(f"no protocol allowed: {options.protocols}; expected a subset of {_PROTOCOLS}")
+    if (op == "all-reduce" and not spans and options.nvls and options.algorithm == "auto"
+            and intra.nvls_bus_ratio and "Simple" in options.protocols):
+        bw_nvls = bw * intra.nvls_bus_ratio
+        nvls = CollectiveCost(specs.NCCL_NVLS_LATENCY_US + 1e6 * bus_factor(op, n) * nbytes / bw_nvls,
+                              "nvls", "Simple", bw_nvls, specs.NCCL_NVLS_LATENCY_US)
+        if nvls.time_us < best.time_us:
+            best = nvls
     return best
 
 

@@ -76,33 +76,39 @@ class LinkSpec:
       hop_latency_us: NCCL ``hwLat`` per step, per protocol (LL, LL128, Simple)
         and algorithm (``ring``, ``tree``).
       source: where the bandwidth figure comes from.
+      nvls_bus_ratio: NVLink SHARP (NCCL's NVLS algorithm) all-reduce bus bandwidth over the
+        ring's, where the host's NVSwitch does the reduction (multicast); None: no NVLS.
     """
 
     name: str
     bytes_per_s: float
     hop_latency_us: tuple[tuple[str, tuple[float, float, float]], ...]
     source: str = ""
+    nvls_bus_ratio: float | None = None
 
     def hop_us(self, algorithm: str) -> tuple[float, float, float]:
         """Per-step latency (LL, LL128, Simple) of ``algorithm`` on this link."""
         return dict(self.hop_latency_us)[algorithm]
 
 
-# NCCL src/graph/tuning.cc (2.18 era): hwLat[NVLINK|PCI|NET][Tree|Ring][LL,LL128,Simple].
+# NCCL src/graph/tuning.cc, v2.27.7 (the NCCL jax 0.12's CUDA wheels require):
+# hwLat[NVLINK|PCI|NET][Tree|Ring][LL,LL128,Simple].
 _NCCL_HWLAT = {
-    "nvlink": (("tree", (0.52, 1.25, 28.0)), ("ring", (0.47, 1.9, 3.4))),
-    "pcie": (("tree", (1.0, 1.9, 28.0)), ("ring", (1.0, 2.5, 5.7))),
-    "net": (("tree", (5.0, 8.5, 28.0)), ("ring", (2.7, 4.0, 9.6))),
+    "nvlink": (("tree", (0.6, 1.25, 4.0)), ("ring", (0.6, 1.9, 3.4))),
+    "pcie": (("tree", (1.0, 1.9, 4.0)), ("ring", (1.0, 2.5, 5.7))),
+    "net": (("tree", (5.0, 8.5, 14.0)), ("ring", (2.7, 4.0, 14.0))),
 }
-NCCL_BASE_LATENCY_US = (("tree", (4.4, 4.4, 0.0)), ("ring", (3.6, 10.0, 8.4)))
-"""NCCL ``baseLat`` per algorithm and protocol (LL, LL128, Simple), tuning.cc."""
+NCCL_BASE_LATENCY_US = (("tree", (6.8, 14.0, 8.4)), ("ring", (6.6, 14.0, 8.4)))
+"""NCCL ``baseLat`` per algorithm and protocol (LL, LL128, Simple), tuning.cc v2.27.7."""
+NCCL_NVLS_LATENCY_US = 25.0
+"""NCCL ``hwLat[NVLINK][NVLS][Simple]`` (tuning.cc v2.27.7; NVLS has no base latency)."""
 NCCL_PROTOCOL_BW_FRACTION = (0.5, 120.0 / 128.0, 1.0)
 """Payload fraction of a line per protocol: LL 4 of 8 bytes, LL128 120 of 128, Simple all."""
 
 
-def nvlink(bytes_per_s: float, source: str) -> LinkSpec:
-    """An NVLink link with NCCL's NVLink latencies."""
-    return LinkSpec("nvlink", bytes_per_s, _NCCL_HWLAT["nvlink"], source)
+def nvlink(bytes_per_s: float, source: str, nvls_bus_ratio: float | None = None) -> LinkSpec:
+    """An NVLink link with NCCL's NVLink latencies (``nvls_bus_ratio``: see ``LinkSpec``)."""
+    return LinkSpec("nvlink", bytes_per_s, _NCCL_HWLAT["nvlink"], source, nvls_bus_ratio)
 
 
 def pcie(bytes_per_s: float, source: str) -> LinkSpec:
