@@ -129,7 +129,10 @@ def _target_step(args) -> None:
                                   title="GPT TP=8 train step on 8x H100 SXM, one device's timeline "
                                         "(simulated): stock XLA vs ours")
     print(f"3. Written to {os.path.abspath(args.out)}:")
-    print(f"   {os.path.basename(png):26}Gantt chart of both timelines (red: exposed communication)")
+    if png is None:
+        print("   (no Gantt chart: it needs matplotlib, pip install 'concerto_jax[plot]')")
+    else:
+        print(f"   {os.path.basename(png):26}Gantt chart of both timelines (red: exposed communication)")
     print(f"   {os.path.basename(trace):26}Perfetto trace of both (open in https://ui.perfetto.dev)")
 
 

@@ -51,14 +51,20 @@ def simulate_module(text: str, target: str, label: str) -> Timeline:
     return Timeline(label, result, built.graph, peak_memory(unfolded.graph, tl.start, tl.end))
 
 
-def write_comparison(out_dir: str | os.PathLike, name: str, timelines, title: str = "") -> tuple[str, str]:
-    """``<name>.gantt.png`` (one time axis, exposed communication marked) and
-    ``<name>.trace.json`` (Perfetto: one process per timeline) in ``out_dir``; their paths."""
+def write_comparison(out_dir: str | os.PathLike, name: str, timelines,
+                     title: str = "") -> tuple[str | None, str]:
+    """``<name>.trace.json`` (Perfetto: one process per timeline) and ``<name>.gantt.png`` (one
+    time axis, exposed communication marked) in ``out_dir``; their paths, the PNG's None
+    where matplotlib is not installed (``pip install 'concerto_jax[plot]'``)."""
     from concerto_jax.simulator import write_chrome_trace_comparison, write_gantt_comparison
 
     os.makedirs(out_dir, exist_ok=True)
     runs = [(t.label, t.result, t.graph) for t in timelines]
-    png = write_gantt_comparison(os.path.join(out_dir, f"{name}.gantt.png"), runs, title=title)
     trace = write_chrome_trace_comparison(os.path.join(out_dir, f"{name}.trace.json"), runs,
                                           metadata={"title": title})
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return None, trace
+    png = write_gantt_comparison(os.path.join(out_dir, f"{name}.gantt.png"), runs, title=title)
     return png, trace
