@@ -126,8 +126,8 @@ def _target_step(args) -> None:
         "plan cache hit (a previous run's plan and modules)" if cached
         else "plan stored in the plan cache (a second run reuses it)"))
     png, trace = write_comparison(args.out, "gpt_tp8_h100", (stock, ours),
-                                  title="GPT TP=8 train step on 8x H100 SXM, one device's timeline "
-                                        "(simulated): stock XLA vs ours")
+                                  title=f"GPT TP=8 train step on 8x H100 SXM, one device's timeline "
+                                        f"(simulated): ours {gain:.2f}x faster than stock XLA")
     print(f"3. Written to {os.path.abspath(args.out)}:")
     if png is None:
         print("   (no Gantt chart: it needs matplotlib, pip install 'concerto_jax[plot]')")

@@ -202,7 +202,7 @@ def write_gantt_comparison(path: str | os.PathLike, runs, *, title: str = "") ->
                            facecolors=palette.get(op, "tab:gray"), edgecolor="black", linewidth=0.3)
         ax.axvline(result.step_time_us * ms, color="black", ls="--", lw=1)
         ax.annotate(f"end of step: {result.step_time_us * ms:.2f} ms",
-                    (result.step_time_us * ms, rows[COMPUTE_STREAM] + 1.05), xytext=(-4, 0),
+                    (result.step_time_us * ms, rows[COMPUTE_STREAM] + 1.05), xytext=(-6, 0),
                     textcoords="offset points", ha="right", va="top", fontsize=8)
         ax.set_yticks([rows[COMPUTE_STREAM], *(rows[s] for s in comm_streams), 1],
                       ["compute", *(("communication" if len(comm_streams) == 1 else _stream_name(s))
