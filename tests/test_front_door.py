@@ -81,7 +81,7 @@ def _check_output(stdout: str, stderr: str, out: Path) -> None:
     gain = re.search(r"gain \(simulated\): ([\d.]+)x", stdout)
     assert gain and float(gain.group(1)) >= 1.0
     stock, ours = us["step time"]
-    assert abs(float(gain.group(1)) - stock / ours) < 2e-3
+    assert abs(float(gain.group(1)) - stock / ours) < 5e-3  # printed values are rounded
     assert us["exposed communication"][0] <= stock and us["exposed communication"][1] <= ours
     png, trace = out / "gpt_tp8_h100.gantt.png", out / "gpt_tp8_h100.trace.json"
     assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
