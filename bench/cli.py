@@ -1,4 +1,4 @@
-"""Command line of the benchmarks: ``python -m bench.cli baseline [--case NAME] [--quick]`` (or ``concerto-bench``)."""
+"""Command line of the benchmarks: ``python -m bench.cli baseline [--case NAME] [--quick]`` from the repository root."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def main(argv=None) -> int:
     """Parse arguments and run the chosen benchmark; returns the exit status."""
     # Every subcommand compiles deviceless or runs on the CPU: JAX on CPU, set before JAX starts.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    parser = argparse.ArgumentParser(prog="concerto-bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.cli", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     b = sub.add_parser("baseline", help="stock XLA schedule vs program order vs lower bound, simulated")
     _suite_arguments(b, "result file prefix (default: baseline[_quick])")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -31,32 +30,11 @@ def write_trace_pair(path: str, cmp_: Comparison, name: str, cluster: str) -> No
 
 
 def write_gantt_pair(path: str, cmp_: Comparison, name: str) -> None:
-    """XLA's and ours, one above the other on the same time axis (two ``write_gantt`` PNGs stacked)."""
-    import tempfile
+    """XLA's and ours, one above the other on one time axis, exposed communication marked."""
+    from concerto_jax.simulator import write_gantt_comparison
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.image as mpimg
-    import matplotlib.pyplot as plt
-
-    from concerto_jax.simulator import write_gantt
-
-    with tempfile.TemporaryDirectory() as d:
-        imgs = []
-        for tag, sim, title in (("xla", cmp_.xla_sim, f"{name}: XLA final order"),
-                                ("ours", cmp_.ours_sim, f"{name}: Concerto(S)")):
-            p = os.path.join(d, f"{tag}.png")
-            write_gantt(p, sim, cmp_.graph, title=title)
-            imgs.append(mpimg.imread(p))
-        fig, axes = plt.subplots(2, 1, figsize=(14, 2 * imgs[0].shape[0] / 120))
-        for ax, im in zip(axes, imgs, strict=True):
-            ax.imshow(im)
-            ax.axis("off")
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-    log.info("wrote %s (x axes: each chart's own step time)", path)
+    write_gantt_comparison(path, [("XLA final order", cmp_.xla_sim, cmp_.graph),
+                                  ("Concerto(S)", cmp_.ours_sim, cmp_.graph)], title=name)
 
 
 def _fmt(v) -> str:

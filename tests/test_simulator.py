@@ -132,3 +132,36 @@ def test_gantt(tmp_path, g3):
     r = simulate(g3, [ev(0, "r"), ev(1, "s"), ev(2, "r"), ev(1, "d"), ev(3, "r")], NO_SLOW)
     p = write_gantt(tmp_path / "g.png", r, g3, title="g3")
     assert (tmp_path / "g.png").stat().st_size > 1000 and p.endswith("g.png")
+
+
+def test_exposed_intervals_and_comparison(tmp_path, g3):
+    from concerto_jax.simulator import (
+        chrome_trace_comparison,
+        exposed_intervals,
+        write_chrome_trace_comparison,
+    )
+
+    overlapped = simulate(g3, [ev(0, "r"), ev(1, "s"), ev(2, "r"), ev(1, "d"), ev(3, "r")], NO_SLOW)
+    serial = simulate(g3, [ev(0, "r"), ev(1, "s"), ev(1, "d"), ev(2, "r"), ev(3, "r")], NO_SLOW)
+    # ar runs 10..40: b hides 10..30 of it in the first order, nothing in the second.
+    assert exposed_intervals(overlapped) == [(30.0, 40.0)] and overlapped.exposed_comm_us == 10.0
+    assert exposed_intervals(serial) == [(10.0, 40.0)] and serial.exposed_comm_us == 30.0
+    runs = [("serial", serial, g3), ("overlapped", overlapped, g3)]
+    trace = chrome_trace_comparison(runs, metadata={"case": "g3"})
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {(e["pid"], e["tid"]) for e in slices} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    assert trace["otherData"]["case"] == "g3"
+    assert trace["otherData"]["overlapped"]["exposed_comm_us"] == 10.0
+    path = write_chrome_trace_comparison(tmp_path / "c.json", runs)
+    assert json.load(open(path))["traceEvents"] == chrome_trace_comparison(runs)["traceEvents"]
+
+
+def test_gantt_comparison(tmp_path, g3):
+    pytest.importorskip("matplotlib")
+    from concerto_jax.simulator import write_gantt_comparison
+
+    overlapped = simulate(g3, [ev(0, "r"), ev(1, "s"), ev(2, "r"), ev(1, "d"), ev(3, "r")], NO_SLOW)
+    serial = simulate(g3, [ev(0, "r"), ev(1, "s"), ev(1, "d"), ev(2, "r"), ev(3, "r")], NO_SLOW)
+    p = write_gantt_comparison(tmp_path / "g.png", [("serial", serial, g3), ("overlapped", overlapped, None)],
+                               title="g3")
+    assert (tmp_path / "g.png").stat().st_size > 1000 and p.endswith("g.png")

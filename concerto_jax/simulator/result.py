@@ -77,9 +77,9 @@ def measure(intervals: Sequence[tuple[float, float]]) -> float:
     return sum(e - s for s, e in intervals)
 
 
-def minus(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> float:
-    """Length of ``union(a) - union(b)`` for disjoint sorted inputs."""
-    total = 0.0
+def difference(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``union(a) - union(b)`` as disjoint sorted intervals, for disjoint sorted inputs."""
+    out: list[tuple[float, float]] = []
     j = 0
     for s, e in a:
         t = s
@@ -88,13 +88,18 @@ def minus(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) ->
         k = j
         while t < e:
             if k >= len(b) or b[k][0] >= e:
-                total += e - t
+                out.append((t, e))
                 break
             if b[k][0] > t:
-                total += b[k][0] - t
+                out.append((t, b[k][0]))
             t = max(t, b[k][1])
             k += 1
-    return total
+    return out
+
+
+def minus(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> float:
+    """Length of ``union(a) - union(b)`` for disjoint sorted inputs."""
+    return measure(difference(a, b))
 
 
 def peak_live_bytes(graph: TaskGraph, timings: Sequence[TaskTiming], step_end: float) -> int:

@@ -107,3 +107,122 @@ def write_gantt(path: str | os.PathLike, result: SimResult, graph: TaskGraph | N
     plt.close(fig)
     log.info("wrote gantt %s", path)
     return os.fspath(path)
+
+
+def exposed_intervals(result: SimResult) -> list[tuple[float, float]]:
+    """Where a collective is in flight and no kernel runs (``SimResult.exposed_comm_us`` as spans)."""
+    from concerto_jax.simulator.result import difference, union
+
+    compute = union((t.start_us, t.end_us) for t in result.timings if t.stream == COMPUTE_STREAM)
+    comm = union((t.start_us, t.end_us) for t in result.timings if t.stream != COMPUTE_STREAM)
+    return difference(comm, compute)
+
+
+def chrome_trace_comparison(runs, metadata: Mapping[str, object] | None = None) -> dict:
+    """One Perfetto trace of several schedules on the same time axis, one process each.
+
+    Args:
+      runs: ``(label, SimResult, TaskGraph or None)`` triples; process ``k`` is ``runs[k]``.
+      metadata: extra key/values stored under ``otherData``.
+
+    Returns:
+      A JSON-serialisable dict; each run's summary is under ``otherData[label]``.
+    """
+    events, other = [], dict(metadata or {})
+    for pid, (label, result, graph) in enumerate(runs):
+        tr = chrome_trace(result, graph, process_name=label)
+        events += [{**e, "pid": pid} for e in tr["traceEvents"]]
+        events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}})
+        other[label] = tr["otherData"]
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
+
+
+def write_chrome_trace_comparison(path: str | os.PathLike, runs, **kwargs) -> str:
+    """Write ``chrome_trace_comparison(runs, ...)`` to ``path``; returns the path."""
+    with open(path, "w") as f:
+        json.dump(chrome_trace_comparison(runs, **kwargs), f)
+    log.info("wrote trace %s", path)
+    return os.fspath(path)
+
+
+def write_gantt_comparison(path: str | os.PathLike, runs, *, title: str = "") -> str:
+    """Gantt charts of several schedules stacked on one time axis, exposed communication marked.
+
+    Each run gets one panel: a row of compute kernels, a row per communication stream
+    (collectives coloured by kind), and a row where communication is in flight, green where a
+    kernel runs meanwhile (hidden), red where none does (exposed; also a red band across the
+    panel). Needs matplotlib.
+
+    Args:
+      path: output PNG.
+      runs: ``(label, SimResult, TaskGraph or None)`` triples, drawn top to bottom.
+      title: figure title.
+
+    Returns:
+      The path written.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Patch
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise ImportError("write_gantt_comparison needs matplotlib: pip install 'concerto_jax[plot]'") from e
+    from concerto_jax.simulator.result import union
+
+    palette = {"all-reduce": "tab:orange", "all-gather": "tab:green", "reduce-scatter": "tab:purple",
+               "all-to-all": "tab:olive", "collective-permute": "tab:brown"}
+    ms = 1e-3
+    end = max(r.step_time_us for _, r, _ in runs)
+    fig, axes = plt.subplots(len(runs), 1, figsize=(14, 1.2 + 1.9 * len(runs)), sharex=True,
+                             squeeze=False)
+    seen_ops: set[str] = set()
+    for ax, (label, result, graph) in zip(axes[:, 0], runs, strict=True):
+        comm_streams = sorted(s for s in result.stream_utilisation if s != COMPUTE_STREAM)
+        rows = {COMPUTE_STREAM: 2 + len(comm_streams)}
+        rows.update({s: 1 + len(comm_streams) - k for k, s in enumerate(comm_streams)})
+        exposed = exposed_intervals(result)
+        for s, e in exposed:  # behind everything: the band spans the whole panel
+            ax.axvspan(s * ms, e * ms, color="red", alpha=0.18, lw=0)
+        comm = union((t.start_us, t.end_us) for t in result.timings if t.stream != COMPUTE_STREAM)
+        ax.broken_barh([(s * ms, (e - s) * ms) for s, e in comm], (0.6, 0.8), facecolors="tab:green")
+        ax.broken_barh([(s * ms, (e - s) * ms) for s, e in exposed], (0.6, 0.8), facecolors="red")
+        compute = union((t.start_us, t.end_us) for t in result.timings if t.stream == COMPUTE_STREAM)
+        ax.broken_barh([(s * ms, (e - s) * ms) for s, e in compute], (rows[COMPUTE_STREAM] - 0.4, 0.8),
+                       facecolors="tab:blue")
+        for i, t in enumerate(result.timings):
+            if t.stream == COMPUTE_STREAM or t.end_us <= t.start_us:
+                continue
+            op = "collective"
+            if graph is not None and graph.tasks[i].collective is not None:
+                op = graph.tasks[i].collective.op
+            seen_ops.add(op)
+            ax.broken_barh([(t.start_us * ms, (t.end_us - t.start_us) * ms)], (rows[t.stream] - 0.4, 0.8),
+                           facecolors=palette.get(op, "tab:gray"), edgecolor="black", linewidth=0.3)
+        ax.axvline(result.step_time_us * ms, color="black", ls="--", lw=1)
+        ax.annotate(f"end of step: {result.step_time_us * ms:.2f} ms",
+                    (result.step_time_us * ms, rows[COMPUTE_STREAM] + 1.05), xytext=(-6, 0),
+                    textcoords="offset points", ha="right", va="top", fontsize=8)
+        ax.set_yticks([rows[COMPUTE_STREAM], *(rows[s] for s in comm_streams), 1],
+                      ["compute", *(("communication" if len(comm_streams) == 1 else _stream_name(s))
+                                    for s in comm_streams), "comm. hidden / exposed"])
+        ax.set_ylim(0.3, rows[COMPUTE_STREAM] + 1.1)
+        comm_us = result.comm_busy_us
+        ax.set_title(f"{label}: step {result.step_time_us * ms:.2f} ms, communication "
+                     f"{comm_us * ms:.2f} ms of which exposed {result.exposed_comm_us * ms:.2f} ms "
+                     f"({result.overlap_pct:.0f}% overlapped)", loc="left", fontsize=10)
+    axes[-1, 0].set_xlim(0, end * ms * 1.01)
+    axes[-1, 0].set_xlabel("time (ms)")
+    handles = [Patch(color="tab:blue", label="compute kernels")]
+    handles += [Patch(color=palette.get(op, "tab:gray"), label=op) for op in sorted(seen_ops)]
+    handles += [Patch(color="tab:green", label="communication hidden behind compute"),
+                Patch(color="red", label="exposed communication (no kernel runs)")]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False, fontsize=9)
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    log.info("wrote gantt %s", path)
+    return os.fspath(path)
