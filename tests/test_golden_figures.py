@@ -15,7 +15,11 @@ judge rounds off), so that a loaded machine moves no figure:
   (events hashed, makespan, bound, peaks, source), and the full-speed timeline's makespan.
 * ``deviceless`` (needs the CUDA plugin): ``compile_for_target`` of a small step on both
   paths, with a rewriting pass, the rewrite guard and the combine-threshold search, and the
-  GPU route's deviceless compile half (figures, records and text hashes).
+  GPU route's deviceless compile half (figures, records and text hashes). These modules are
+  compiled from Python here, so JAX writes the caller's stack into them (the ``FileNames`` ...
+  ``StackFrames`` tables, ``stack_frame_id``, and XLA's ``fingerprint_before_lhs`` over all
+  that): paths and line numbers of this checkout and of the library's own code. Their hashes
+  are taken without those (``_compiled_sha``), so that moving code or the checkout moves none.
 
 Regenerate only when a change of figures is intended: ``CONCERTO_REGEN_GOLDEN=1 pytest
 tests/test_golden_figures.py`` and review the JSON diff. A row that moves between two runs of
@@ -29,6 +33,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 
 import pytest
 
@@ -45,6 +50,15 @@ VOLATILE = frozenset({"seconds", "solver_s", "wall_time_s", "compile_s"})
 
 def _sha(text: str | None) -> str | None:
     return None if text is None else hashlib.sha256(text.encode()).hexdigest()
+
+
+_STACK_TABLES = re.compile(r"^(?:FileNames|FunctionNames|FileLocations|StackFrames)\n(?:.+\n)*", re.M)
+_STACK_REFS = re.compile(r",? ?stack_frame_id=\d+|,? ?fingerprint_before_lhs=\"[0-9a-f]*\"")
+
+
+def _compiled_sha(text: str | None) -> str | None:
+    """``_sha`` of a module compiled from Python here, without the caller's stack (paths, lines)."""
+    return None if text is None else _sha(_STACK_REFS.sub("", _STACK_TABLES.sub("", text)))
 
 
 def _plain(value):
@@ -237,7 +251,7 @@ def _embedding_2x4():
 def _target_result(res) -> dict:
     out = _plain(res)
     for key in ("final_text", "stock_final_text", "emitted_text", "scheduled_text"):
-        out[key] = _sha(getattr(res, key))
+        out[key] = _compiled_sha(getattr(res, key))
     out["passes"] = _records(res.passes)
     return out
 
@@ -270,8 +284,8 @@ def deviceless_figures() -> dict:
         out[label] = _target_result(res)
     d = compile_deviceless(step, args, get_cluster(TARGET), _options(("decompose", "schedule")))
     out["gpu_route deviceless decompose+schedule"] = {
-        "handed": _sha(d.plan.handed), "replicated": d.plan.replicated, "passes": _records(d.plan.passes),
-        "final": _sha(d.payload.final_text), "num_devices": d.payload.num_devices,
+        "handed": _compiled_sha(d.plan.handed), "replicated": d.plan.replicated, "passes": _records(d.plan.passes),
+        "final": _compiled_sha(d.payload.final_text), "num_devices": d.payload.num_devices,
         "compute_capability": d.payload.compute_capability}
     return out
 
