@@ -112,7 +112,7 @@ def compile_case(case: BenchCase) -> CompiledCase:
 def _simulate_text(text: str, cost_model):
     from concerto_jax.hlo_taskgraph import build_taskgraph
     from concerto_jax.simulator import SimOptions, simulate
-    from hlo_passes.parser import parse_module
+    from hlo_passes.ir.parser import parse_module
 
     built = build_taskgraph(parse_module(text), cost_model)
     opts = SimOptions(overlap_slowdown=cost_model.options.overlap_slowdown)

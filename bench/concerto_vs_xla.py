@@ -199,7 +199,7 @@ def compare(before_text: str | None, final_text: str, cost_model, options: Conce
     from concerto_jax.scheduler.program_model import auto_resolution, solve_program
     from concerto_jax.scheduler.rcpsp import SchedulerError, SolverParams
     from concerto_jax.simulator import SimOptions, lower_bounds, simulate
-    from hlo_passes.parser import parse_module
+    from hlo_passes.ir.parser import parse_module
 
     row: dict = {}
     slow = cost_model.options.overlap_slowdown

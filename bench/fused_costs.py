@@ -94,7 +94,7 @@ def run_case(case, from_dump: str | None = None, rule: str = "anchor", dump_dir:
     from concerto_jax.costmodel import CostModel, get_cluster
     from concerto_jax.costmodel.fused import fused_costs
     from concerto_jax.hlo_taskgraph import build_taskgraph
-    from hlo_passes.parser import parse_module
+    from hlo_passes.ir.parser import parse_module
 
     t0 = time.perf_counter()
     pre_text, xla_text = _texts(case, from_dump, dump_dir)
@@ -152,8 +152,8 @@ def per_computation(case, from_dump: str | None = None, dump_dir: str | None = N
     from concerto_jax.costmodel import CostModel, get_cluster
     from concerto_jax.costmodel.fused import _is_compute, fused_costs
     from concerto_jax.hlo_taskgraph import op_info
-    from hlo_passes.loops import schedulable_computations
-    from hlo_passes.parser import parse_module
+    from hlo_passes.ir.loops import schedulable_computations
+    from hlo_passes.ir.parser import parse_module
 
     pre_text, xla_text = _texts(case, from_dump, dump_dir)
     pre, xla = parse_module(pre_text), parse_module(xla_text)

@@ -181,7 +181,7 @@ def recording_reschedules():
 def register_prefetch_all() -> None:
     """Register the bench-only pass ``prefetch_all``: ``pipeline_prefetch`` on every loop that has candidates."""
     from concerto_jax.pipeline import PassOutcome, register_pass
-    from hlo_passes.loops import analyze_while, schedulable_computations
+    from hlo_passes.ir.loops import analyze_while, schedulable_computations
     from hlo_passes.pipelining import loop_shape_problem, pipeline_prefetch, prefetch_candidates
 
     @register_pass("prefetch_all")

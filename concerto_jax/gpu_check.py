@@ -298,9 +298,9 @@ def standin_collectives(text: str) -> tuple[str, dict]:
     (a tuple of them), its start and updates are removed; the header loses the aliasing, donor,
     partition and replica settings and the instructions their shardings (one device, one
     partition). Returns the text and ``{kind: count}`` of what was replaced."""
-    import hlo_passes
+    from hlo_passes.ir import parse_module
 
-    module = hlo_passes.parse_module(text, source="standin")
+    module = parse_module(text, source="standin")
     drop: set[str] = set()
     replace: dict[str, list] = {}
     counts: dict[str, int] = {}
@@ -601,10 +601,10 @@ def perturbed_order(text: str) -> str:
     """``text`` with its entry in another legal order: Kahn's topological sort taking the most
     recently readied instruction first (XLA's order takes them otherwise); the same text if the
     entry has only one legal order."""
-    import hlo_passes
     from concerto_jax.target.native import permute_text
+    from hlo_passes.ir import parse_module
 
-    module = hlo_passes.parse_module(text, source="perturb")
+    module = parse_module(text, source="perturb")
     entry = module.entry
     names = [i.name for i in entry.instructions if i.name not in module.implicit_tuple_elements]
     keep = set(names)
@@ -941,12 +941,12 @@ def kernel_class(inst) -> str:
 
 def _predictions(final_text: str, cost_model) -> tuple[dict, dict, float]:
     """``({instruction: predicted us}, {instruction: class}, predicted step us)`` of a final module."""
-    import hlo_passes
     from concerto_jax.hlo_taskgraph import op_info
     from concerto_jax.target.fidelity import judge_module
-    from hlo_passes.loops import schedulable_computations
+    from hlo_passes.ir import parse_module
+    from hlo_passes.ir.loops import schedulable_computations
 
-    module = hlo_passes.parse_module(final_text, source="final")
+    module = parse_module(final_text, source="final")
     pred, cls = {}, {}
     skip = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple", "opt-barrier", "while",
             "conditional", "call"}

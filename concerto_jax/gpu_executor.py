@@ -777,9 +777,9 @@ def build_entry(step, args: tuple, kwargs: dict, options, note: str, backend):
         check, why = _joint_check(step, cap, args, kwargs, tolerance)
     if step.options.first_step_reference == "wider" and tolerance > 0:
         why += "; no wider-precision judge on the GPU route"
-    import hlo_passes
+    from hlo_passes.ir import parse_module
 
-    entry = hlo_passes.parse_module(built.stock.post_spmd, source="captured").entry
+    entry = parse_module(built.stock.post_spmd, source="captured").entry
     passes = built.plan.passes
     if built.order:
         passes = passes + (_order_record(built),)

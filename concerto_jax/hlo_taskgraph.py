@@ -28,7 +28,7 @@ defined before use), so the same function gives program order.
 
 Any computation that runs as a sequence of kernels can be built, not only the
 entry (``computation=``): ``while`` bodies and conditions, ``conditional``
-branches, ``call`` targets (``hlo_passes.loops.schedulable_computations``). A
+branches, ``call`` targets (``hlo_passes.ir.loops.schedulable_computations``). A
 control-flow instruction (``while``/``conditional``/``call``) is one compute
 task whose duration comes from its callees' own schedules (``nested_us``,
 computed bottom-up by ``control_flow_durations``: a while costs
@@ -49,12 +49,15 @@ from collections.abc import Callable, Mapping
 from concerto_jax.costmodel.compute import ArrayInfo, OpInfo
 from concerto_jax.costmodel.model import CostModel
 from concerto_jax.taskgraph import CollectiveInfo, Event, Phase, Task, TaskGraph, TaskKind
-from hlo_passes.loops import LoopInfo, analyze_while, control_flow_callees
+from hlo_passes.ir import (
+    ALIAS_OPCODES,
+    LoopInfo,
+    analyze_while,
+    control_flow_callees,
+    device_groups,
+)
 
 log = logging.getLogger(__name__)
-
-ALIAS_OPCODES = frozenset({"bitcast", "get-tuple-element", "tuple", "opt-barrier"})
-"""Opcodes that only alias their operands' buffers."""
 
 _SYNC_COLLECTIVES = frozenset({"all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                                "collective-permute", "collective-broadcast", "ragged-all-to-all"})
@@ -170,14 +173,6 @@ def _payload_bytes(kind: str, start, done) -> int:
         return leaves[-1].bytes if leaves else 0
     coll = _collective_of(start)
     return sum(a.bytes for o in coll.operands for a in _leaves(o.shape))
-
-
-def _groups(coll, num_devices: int) -> list[list[int]]:
-    pairs = coll.source_target_pairs
-    if pairs is not None:
-        return [list(p) for p in pairs] or [[0]]
-    groups = coll.replica_groups
-    return groups if groups else [list(range(num_devices))]
 
 
 def default_stream(kind: str) -> int:
@@ -362,7 +357,7 @@ def kernel_strategy(coll) -> str | None:
 
 def _costed_collective(task: Task, kind: str, start, done, cost_model: CostModel, num_devices: int) -> Task:
     coll = _collective_of(start)
-    groups = _groups(coll, num_devices)
+    groups = device_groups(coll, num_devices)
     nbytes = _payload_bytes(kind, start, done)
     if kind == "all-reduce" and start.is_collective_kernel:
         # XLA:GPU's Triton all-reduce kernel (jaxlib >= 0.11), not NCCL

@@ -15,11 +15,11 @@ import logging
 import time
 from collections.abc import Callable, Iterator, MutableMapping
 
-import hlo_passes
 from concerto_jax.executor import parse_with_xla
 from concerto_jax.options import Options
 from concerto_jax.report import PassRecord, count_collectives
-from hlo_passes.rewrites import spmd_to_replicated
+from hlo_passes.as_replicas import partition_id_to_replica_id, spmd_to_replicated
+from hlo_passes.ir import HloError, HloModule, module_to_text, parse_module, verify
 from hlo_passes.upcast import upcast_floats
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class PassOutcome:
     tolerance: float = 0.0
 
 
-PassFn = Callable[[hlo_passes.HloModule, Options], PassOutcome]
+PassFn = Callable[[HloModule, Options], PassOutcome]
 
 PASS_TABLE: dict[str, str] = {
     # name -> "module:function". One line registers a pass: ``Options.passes`` accepts
@@ -142,13 +142,13 @@ class PipelineResult:
         return cls(**data)
 
 
-def _replicated_text(module: hlo_passes.HloModule) -> str:
+def _replicated_text(module: HloModule) -> str:
     """The module as the executor compiles it: partitions as replicas (``spmd_to_replicated``)."""
     if module.replica_count == 1 and module.num_partitions > 1:
         spmd_to_replicated(module)
     else:  # a one-device program: nothing to translate but partition-id
-        hlo_passes.partition_id_to_replica_id(module)
-    return hlo_passes.module_to_text(module)
+        partition_id_to_replica_id(module)
+    return module_to_text(module)
 
 
 def wider_text(hlo_text: str) -> tuple[str, dict[str, str]]:
@@ -159,9 +159,9 @@ def wider_text(hlo_text: str) -> tuple[str, dict[str, str]]:
       hlo_passes.HloError: the module cannot be widened (``UpcastError`` says why) or parsed.
       concerto_jax.executor.ExecutorError: XLA's parser rejected the widened text.
     """
-    module = hlo_passes.parse_module(hlo_text, source="captured")
+    module = parse_module(hlo_text, source="captured")
     mapping = upcast_floats(module)
-    hlo_passes.verify(module)
+    verify(module)
     text = _replicated_text(module)
     parse_with_xla(text)
     return text, mapping
@@ -177,16 +177,16 @@ def run(hlo_text: str, options: Options) -> PipelineResult:
     """
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    module = hlo_passes.parse_module(hlo_text, source="captured")
+    module = parse_module(hlo_text, source="captured")
     elided = [i.name for i in module.instructions()
               if i.opcode == "constant" and (i.literal or "").strip() == "{...}"]
     if elided:
-        raise hlo_passes.HloError(
+        raise HloError(
             f"the captured module elides the value of {len(elided)} constants (%{elided[0]} is "
             "'{...}'); expected a dump written with xla_dump_large_constants=true (XLA prints "
             "constants of more than a few elements as '{...}' otherwise)")
     if options.verify:
-        hlo_passes.verify(module)
+        verify(module)
     timings["parse"] = time.perf_counter() - t0
 
     entry = module.entry
@@ -201,7 +201,7 @@ def run(hlo_text: str, options: Options) -> PipelineResult:
         t = time.perf_counter()
         outcome = fn(module, options)
         if options.verify:
-            hlo_passes.verify(module)
+            verify(module)
         records.append(PassRecord(name, outcome.changed, time.perf_counter() - t, outcome.stats,
                                   outcome.tolerance))
         log.info("pass %s: changed=%s %s", name, outcome.changed, outcome.stats)

@@ -17,8 +17,8 @@ import heapq
 import re
 from collections.abc import Sequence
 
-from concerto_jax.hlo_taskgraph import ALIAS_OPCODES
 from concerto_jax.taskgraph import Event, Phase
+from hlo_passes.ir import ALIAS_OPCODES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,9 +24,9 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from hlo_passes.computation import Computation
-from hlo_passes.instruction import Instruction
-from hlo_passes.shapes import Shape
+from hlo_passes.ir.computation import Computation
+from hlo_passes.ir.instruction import Instruction
+from hlo_passes.ir.shapes import Shape
 
 __all__ = ["FUSIBLE_OPCODES", "cross_replica_variadic_all_reduces", "fusion_key", "fuse_group",
            "stable_topological_order"]

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from hlo_passes.ir import Computation, HloModule, Instruction
-from hlo_passes.shapes import Shape
+from hlo_passes.ir import Computation, HloModule, Instruction, alias_closure
+from hlo_passes.ir.shapes import Shape
 
 __all__ = ["ANCHOR_OPCODES", "CHEAP_OPCODES", "PinStats", "Window", "pin_window", "pin_windows", "windows_from_order"]
 
@@ -45,9 +45,6 @@ CHEAP_OPCODES = frozenset({
 """Ops that are not window compute: free or fused into their consumers. Their
 operands are never rewired (rewiring would change the graph XLA's simplifier
 pattern-matches, e.g. ``A / broadcast(B)``), and they alone never make a window."""
-
-_ALIAS_USERS = frozenset({"get-tuple-element", "bitcast"})
-
 
 @dataclasses.dataclass(frozen=True)
 class Window:
@@ -95,19 +92,8 @@ def _is_sync_collective(inst: Instruction) -> bool:
     return inst.is_collective and inst.async_role is None and inst.opcode not in ("send", "recv")
 
 
-def _alias_closure(inst: Instruction) -> set[Instruction]:
-    """``inst`` and its users reached through get-tuple-element/bitcast only."""
-    out, todo = {inst}, [inst]
-    while todo:
-        for u in todo.pop().users:
-            if u.opcode in _ALIAS_USERS and u not in out:
-                out.add(u)
-                todo.append(u)
-    return out
-
-
 def _first_reader(comp: Computation, c: Instruction, pos: dict) -> tuple[int, set]:
-    aliases = _alias_closure(c)
+    aliases = alias_closure(c)
     readers = [pos[id(u)] for a in aliases for u in a.users if u not in aliases and id(u) in pos]
     return min(readers, default=len(comp.instructions)), aliases
 

@@ -31,16 +31,17 @@ job (``concerto_jax.passes.pipeline_pass`` schedules the body both ways).
 from __future__ import annotations
 
 import dataclasses
+import json
 
-from hlo_passes.instruction import Instruction
-from hlo_passes.loops import (
+from hlo_passes.ir.instruction import Instruction
+from hlo_passes.ir.loops import (
     LoopInfo,
     analyze_while,
     loop_state_problem,
     side_effects,
     through_casts,
 )
-from hlo_passes.shapes import Shape
+from hlo_passes.ir.shapes import Shape
 
 __all__ = ["PrefetchCandidate", "Rotation", "pipeline_prefetch", "prefetch_candidates", "rotate_loop",
            "rotation_candidates", "rotation_of"]
@@ -391,8 +392,6 @@ def _rotation(module, info: LoopInfo, coll: Instruction) -> tuple[Rotation | Non
 
 
 def _set_trip_count(inst: Instruction, trips: int) -> None:
-    import json
-
     raw = inst.backend_config
     if not raw:
         return

@@ -137,7 +137,7 @@ def test_compile_for_target_backend_only_keeps_our_order(tmp_path):
     # except async pairs XLA's backend makes synchronous when nothing overlaps them (their
     # start then moves down to its done; jaxlib >= 0.11 renames the synchronous op and keeps
     # the start's name as its scheduling_name).
-    for name in [c.name for c in hlo_passes.loops.schedulable_computations(handed)]:
+    for name in [c.name for c in hlo_passes.ir.loops.schedulable_computations(handed)]:
         ours = [i for i in handed.computation(name).instructions]
         sync = {scheduling_name(i) for i in final.computation(name).instructions
                 if '"is_sync":true' in str(i.attrs.get("backend_config", ""))}
@@ -295,7 +295,7 @@ def test_step_times_count_collectives_inside_loops():
     # ... and more than the flat estimate of the entry graph, which ignores the body's collectives.
     from concerto_jax.hlo_taskgraph import build_taskgraph
     from concerto_jax.simulator import SimOptions, simulate
-    from hlo_passes.parser import parse_module
+    from hlo_passes.ir.parser import parse_module
 
     cm = CostModel(get_cluster("h100_sxm_8"))
     flat = build_taskgraph(parse_module(res.stock_final_text), cm)

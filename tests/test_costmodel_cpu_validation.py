@@ -130,7 +130,7 @@ def _entry_kernels(fn, *shapes):
 
     from concerto_jax.costmodel.compute import FREE_OPCODES
     from concerto_jax.hlo_taskgraph import op_info
-    from hlo_passes.parser import parse_module
+    from hlo_passes.ir.parser import parse_module
 
     args = [jnp.zeros(s, jnp.float32) for s in shapes]
     module = parse_module(jax.jit(fn).lower(*args).compile().as_text())

@@ -17,7 +17,7 @@ from concerto_jax.decompose.options import DecomposeOptions
 from concerto_jax.decompose.search import _copy, apply, find_candidates, trial_durations
 from concerto_jax.hlo_taskgraph import op_info
 from concerto_jax.passes.decompose_pass import decompose_pass
-from hlo_passes.parser import parse_module
+from hlo_passes.ir.parser import parse_module
 
 CHAIN = ("exponential", "tanh", "negate", "exponential", "tanh", "negate", "exponential", "tanh")
 LAYOUT = ("entry_computation_layout={(f32[2048,4096]{1,0}, f32[4096,4096]{1,0})->"

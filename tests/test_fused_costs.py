@@ -11,7 +11,7 @@ from concerto_jax.costmodel import CostModel, get_cluster
 from concerto_jax.costmodel.fused import fused_costs
 from concerto_jax.hlo_taskgraph import build_taskgraph
 from concerto_jax.target import gpu_plugin_available
-from hlo_passes.parser import parse_module
+from hlo_passes.ir.parser import parse_module
 
 needs_plugin = pytest.mark.skipif(not gpu_plugin_available(), reason="CUDA PJRT plugin missing: pip install -e .[gpu]")
 

@@ -8,7 +8,7 @@ from concerto_jax.hlo_taskgraph import build_taskgraph
 from concerto_jax.simulator import SimOptions, order_of, simulate, simulate_synchronous
 from concerto_jax.taskgraph import Phase
 
-hlo_passes = pytest.importorskip("hlo_passes.parser")
+hlo_passes = pytest.importorskip("hlo_passes.ir.parser")
 
 MODULE = """
 HloModule m, is_scheduled=true, num_partitions=8
@@ -98,7 +98,7 @@ def test_simulated_overlap(built):
 
 
 def test_mesh_replica_groups_with_transposed_device_ids():
-    from hlo_passes.replica_groups import parse_replica_groups
+    from hlo_passes.ir.replica_groups import parse_replica_groups
 
     raw = "mesh['axis_0'=8,'axis_1'=1,'axis_2'=2], device_ids=([2,8]T(1,0)) {'axis_2'}"
     assert parse_replica_groups(raw) == [[i, i + 8] for i in range(8)]

@@ -1,4 +1,4 @@
-"""Loops: trip counts and carried values (hlo_passes.loops), every computation scheduled (schedule pass),
+"""Loops: trip counts and carried values (hlo_passes.ir.loops), every computation scheduled (schedule pass),
 bitwise results for trip counts 1, 2 and odd, one warning for loops the pass cannot cost."""
 
 from functools import partial
@@ -18,7 +18,7 @@ from concerto_jax.hlo_taskgraph import build_taskgraph, loops_of
 from concerto_jax.options import Options
 from concerto_jax.pipeline import PASSES
 from concerto_jax.scheduler.evaluate import evaluate
-from hlo_passes.loops import analyze_while, schedulable_computations
+from hlo_passes.ir.loops import analyze_while, schedulable_computations
 from tests._helpers import assert_tree_bitwise
 
 _LOOP = """HloModule loops, num_partitions=1
@@ -106,7 +106,7 @@ def test_memory_budget_is_shared_along_the_nesting():
     a module without control flow gives its entry the whole budget."""
     from concerto_jax.passes.schedule_pass import budget_share, schedule_computation
     from concerto_jax.scheduler import ScheduleOptions
-    from hlo_passes.loops import control_flow_depths
+    from hlo_passes.ir.loops import control_flow_depths
 
     module = _loop(bound=3)
     assert control_flow_depths(module) == {"main": 0, "body": 1, "cond": 1}

@@ -17,7 +17,7 @@ from concerto_jax.capture import capture
 from concerto_jax.decompose.options import DecomposeOptions
 from concerto_jax.options import Options
 from concerto_jax.pipeline import PASSES, PassOutcome
-from hlo_passes.loops import analyze_while
+from hlo_passes.ir.loops import analyze_while
 from hlo_passes.pipelining import rotate_loop, rotation_candidates, rotation_of
 from tests._helpers import assert_tree_bitwise
 from tests.test_loops import _scan_step

@@ -215,6 +215,6 @@ def test_dump_dir_writes_captured_emitted_and_scheduled_modules(tmp_path):
     scheduled = next(p for p in tmp_path.iterdir() if p.name.endswith("scheduled.hlo.txt")).read_text()
     assert "is_scheduled=true" in scheduled
     assert "all-reduce-start" in scheduled and "all-reduce-done" in scheduled
-    from hlo_passes.xla import xla_parse
+    from hlo_passes.ir.xla import xla_parse
 
     xla_parse(scheduled)  # XLA's own parser accepts what we hand a GPU compiler

@@ -34,6 +34,7 @@ import numpy as np
 from concerto_jax.costmodel.compute import ComputeOptions, OpInfo
 from concerto_jax.costmodel.profile_store import ProfileStore, signature
 from concerto_jax.costmodel.specs import GpuSpec
+from hlo_passes.ir import ALIAS_OPCODES
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ def hlo_cpu_runner(text: str, param_shapes) -> Callable[[], object]:
 def _kernel_names(exe) -> frozenset[str]:
     """Names of the kernels (entry instructions that launch one) of a compiled CPU executable."""
     from concerto_jax.costmodel.compute import FREE_OPCODES
-    from hlo_passes.parser import parse_module
+    from hlo_passes.ir.parser import parse_module
 
     try:
         module = parse_module(exe.hlo_modules()[0].to_string())
@@ -244,7 +245,7 @@ def _callees(comp, seen: dict) -> None:
 
 def standalone_module(inst) -> tuple[str, list]:
     """(HLO text, parameter shapes) of a module running just ``inst`` (fusions: their fused computation)."""
-    from hlo_passes.printer import computation_to_text, instruction_to_text
+    from hlo_passes.ir.printer import computation_to_text, instruction_to_text
 
     seen: dict = {}
     if inst.opcode == "fusion":
@@ -322,8 +323,8 @@ def profile_module_on_cpu(module, *, repeats: int = 15, store: ProfileStore | No
       overhead and the extra timings.
     """
     from concerto_jax.costmodel.compute import FREE_OPCODES
-    from concerto_jax.hlo_taskgraph import ALIAS_OPCODES, op_info
-    from hlo_passes.shapes import Shape
+    from concerto_jax.hlo_taskgraph import op_info
+    from hlo_passes.ir.shapes import Shape
 
     store = store if store is not None else ProfileStore("cpu")
     cpu_store = ProfileStore("cpu-process-time")
@@ -915,7 +916,7 @@ def validate_program(name: str, fn: Callable, args: Sequence, *, cpu_spec: GpuSp
     from concerto_jax.costmodel.model import CostModel, CostOptions
     from concerto_jax.hlo_taskgraph import build_taskgraph
     from concerto_jax.simulator import SimOptions, simulate
-    from hlo_passes.parser import parse_module
+    from hlo_passes.ir.parser import parse_module
 
     dev = jax.devices("cpu")[0]
     args = [jax.device_put(a, dev) for a in args]

@@ -141,7 +141,7 @@ def _is_anchor(inst) -> bool:
 
 def _is_compute(inst) -> bool:
     """Whether ``build_taskgraph`` makes ``inst`` a compute task that launches a kernel."""
-    from concerto_jax.hlo_taskgraph import ALIAS_OPCODES
+    from hlo_passes.ir import ALIAS_OPCODES
 
     return not (inst.opcode in ALIAS_OPCODES or inst.opcode in FREE_OPCODES or inst.opcode in _CONTROL_FLOW
                 or inst.collective_kind is not None)
@@ -173,7 +173,7 @@ def _fold_unmatched(xla, kernel_names: list[str], kernel_cost: list[float],
     (through ``bitcast``/``get-tuple-element``/``tuple``), else to the first kernel reading
     its result; with neither, it stays unattributed.
     """
-    from hlo_passes.loops import schedulable_computations
+    from hlo_passes.ir.loops import schedulable_computations
 
     index = {n: k for k, n in enumerate(kernel_names)}
     cost = list(kernel_cost)
@@ -242,8 +242,8 @@ def fused_costs(post_spmd_module, xla_scheduled, cost_model: CostModel, *, rule:
       ValueError: unknown ``rule`` or ``unmapped``.
     """
     from concerto_jax.hlo_taskgraph import op_info
-    from hlo_passes.loops import schedulable_computations
-    from hlo_passes.parser import parse_module
+    from hlo_passes.ir.loops import schedulable_computations
+    from hlo_passes.ir.parser import parse_module
 
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")

@@ -30,7 +30,6 @@ import dataclasses
 import logging
 import types
 
-import hlo_passes
 from concerto_jax import scheduler
 from concerto_jax.costmodel.fused import FusedCosts
 from concerto_jax.decompose import rules
@@ -39,8 +38,9 @@ from concerto_jax.decompose.context import build_context
 from concerto_jax.decompose.cost import Calibration, strategy_cost
 from concerto_jax.decompose.critical import exposed_by_schedule, find_critical
 from concerto_jax.decompose.options import DecomposeOptions
-from concerto_jax.hlo_taskgraph import _groups, build_taskgraph, op_info
-from hlo_passes.decompose_rewrite import channel_counter, split_instructions
+from concerto_jax.hlo_taskgraph import build_taskgraph, op_info
+from hlo_passes.decompose_rewrite import split_instructions
+from hlo_passes.ir import channel_counter, device_groups, module_to_text, parse_module
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ def find_candidates(module, cost_model, calibration: Calibration,
             coll = comp.instruction(rec.name)
             if coll.async_role is not None:
                 continue  # already async (a scheduled module): not ours to split
-            groups = _groups(coll, module.num_devices)
+            groups = device_groups(coll, module.num_devices)
             for axis in sorted(rules.axis_map(coll)):
                 ctx = build_context(coll, axis, cost_of, max_ops=options.max_context_ops,
                                     cover_us=options.cover_factor * rec.time_us)
@@ -260,7 +260,7 @@ def simulated_step_us(module, cost_model, slowdown: float,
 
 
 def _copy(module):
-    return hlo_passes.parse_module(hlo_passes.module_to_text(module), source="decompose-trial")
+    return parse_module(module_to_text(module), source="decompose-trial")
 
 
 def joint_revise(module, found: Found, chosen: list[Candidate], cost_model,

@@ -17,7 +17,7 @@ After either strategy, **collectives of replicated operands**
 (``DecomposeOptions.replicated_reductions``, ``concerto_jax.decompose.replicated``): an
 all-reduce (reduce-scatter, all-gather) whose operand every device of an orthogonal group
 holds equal (a replicated parameter's gradient under data x tensor parallelism, proven by
-``hlo_passes.uniformity``) moves ``1/h`` of it and all-gathers the rest over that group,
+``hlo_passes.ir.uniformity``) moves ``1/h`` of it and all-gathers the rest over that group,
 where the cost model says it is cheaper (across hosts; bitwise: each element is reduced
 over the same devices).
 
@@ -56,7 +56,8 @@ from concerto_jax.decompose.cost import CALIBRATION_FILE, Calibration
 from concerto_jax.decompose.options import DecomposeOptions
 from concerto_jax.decompose.search import apply, find_candidates, joint_revise
 from concerto_jax.pipeline import PassOutcome, register_pass
-from hlo_passes.errors import HloError
+from hlo_passes.ir import channel_counter
+from hlo_passes.ir.errors import HloError
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ def _replicated_reductions(module, cost_model) -> list[dict]:
     orthogonal group whose sliced form is cheaper (``concerto_jax.decompose.replicated``),
     rewritten; one record each."""
     from concerto_jax.decompose.replicated import plan_replicated_reductions
-    from hlo_passes.decompose_rewrite import channel_counter, split_replicated_collective
+    from hlo_passes.decompose_rewrite import split_replicated_collective
 
     fresh = channel_counter(module)
 
@@ -264,7 +265,6 @@ def _region_split(module, options, dopts: DecomposeOptions, cost_model) -> PassO
     from concerto_jax.decompose.search import computations_to_search
     from hlo_passes.decompose_rewrite import (
         barrier_state_reads,
-        channel_counter,
         release_barrier_state_reads,
         split_instructions,
         split_while_body,

@@ -25,13 +25,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-import hlo_passes
 from concerto_jax import scheduler
 from concerto_jax.costmodel import CostModel, get_cluster
 from concerto_jax.hlo_taskgraph import build_taskgraph
 from concerto_jax.pipeline import PassOutcome
 from concerto_jax.taskgraph import TaskGraph
 from hlo_passes.collective_fusion import fuse_group, fusion_key
+from hlo_passes.ir import module_to_text, parse_module
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def apply_groups(module, groups: list[tuple[str, ...]]) -> int:
 
 
 def _fits(module, groups, cost_model, limit) -> tuple[bool, int]:
-    trial = hlo_passes.parse_module(hlo_passes.module_to_text(module), source="fusion trial")
+    trial = parse_module(module_to_text(module), source="fusion trial")
     apply_groups(trial, groups)
     peak = program_order_peak(trial, cost_model)
     return peak <= limit, peak

@@ -29,12 +29,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-import hlo_passes
 from concerto_jax import scheduler
 from concerto_jax.costmodel import CostModel, get_cluster
 from concerto_jax.hlo_taskgraph import build_taskgraph
 from concerto_jax.pipeline import PassOutcome
-from hlo_passes.loops import analyze_while, schedulable_computations
+from hlo_passes.ir import module_to_text, parse_module
+from hlo_passes.ir.loops import analyze_while, schedulable_computations
 from hlo_passes.pipelining import (
     loop_shape_problem,
     pipeline_prefetch,
@@ -81,7 +81,7 @@ def decide_loop(module, inst, cost_model: CostModel, options) -> dict:
     names = [c.collective for c in cands]
     base = _schedule_body(module, info.body, cost_model, options.scheduler)
     limit = options.scheduler.memory_limit_for(base.input_peak_bytes)
-    trial = hlo_passes.parse_module(hlo_passes.module_to_text(module))
+    trial = parse_module(module_to_text(module))
     trial_inst = trial.computation(inst.parent.name).instruction(inst.name)
     prologue = pipeline_prefetch(trial, trial_inst, names)
     # The rewritten body is held to the ORIGINAL body's limit (its extra buffers count).
@@ -157,7 +157,7 @@ def decide_rotation(module, inst, cost_model: CostModel, options, budget: int | 
         options.scheduler, memory_limit_bytes=limit)
     tried, best = [], None
     for rot in reversed(cands):  # ties go to the body's last collective (the last chunk's)
-        trial = hlo_passes.parse_module(hlo_passes.module_to_text(module))
+        trial = parse_module(module_to_text(module))
         rotate_loop(trial, trial.computation(inst.parent.name).instruction(inst.name), rot.collective)
         new = _schedule_body(trial, info.body, cost_model, trial_options)
         fits = limit is None or new.peak_bytes is None or new.peak_bytes <= limit

@@ -1,7 +1,7 @@
 """The ``schedule`` pass: order every computation of a module as an RCPSP (Concerto ASPLOS'25 §4).
 
 Every computation that runs as a sequence of kernels is scheduled, callees
-before callers (``hlo_passes.loops.schedulable_computations``): ``while``
+before callers (``hlo_passes.ir.loops.schedulable_computations``): ``while``
 bodies and conditions, ``conditional`` branches, ``call`` targets, nested
 loops, then the entry. Each becomes a costed ``TaskGraph``
 (``concerto_jax.hlo_taskgraph``, costs for ``Options.target``) in which a
@@ -45,7 +45,7 @@ from concerto_jax.hlo_taskgraph import (
 from concerto_jax.pipeline import PassOutcome, register_pass
 from concerto_jax.scheduler.evaluate import evaluate, lower_bound
 from concerto_jax.taskgraph import Event, Phase
-from hlo_passes.loops import control_flow_depths, schedulable_computations, side_effects
+from hlo_passes.ir.loops import control_flow_depths, schedulable_computations, side_effects
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ def budget_share(module, comp, budget: int) -> int:
 
     A called computation's live bytes come on top of its callers' at the call, which its
     own graph does not see. So where the module has control flow, a computation at nesting
-    depth ``d`` (``hlo_passes.loops.control_flow_depths``: entry 0, a loop body 1) gets
+    depth ``d`` (``hlo_passes.ir.loops.control_flow_depths``: entry 0, a loop body 1) gets
     ``budget / 2**(d + 1)``: along any chain of calls the shares sum to less than the
     budget. A module without control flow gives its entry the whole budget. (XLA's own
     scheduler holds every computation to the whole limit.) Each computation's limit is

@@ -119,8 +119,8 @@ def judge_module(text: str, cost_model) -> Judged:
         with_durations,
     )
     from concerto_jax.simulator import SimOptions, lower_bounds, simulate
-    from hlo_passes.loops import analyze_while, control_flow_callees, schedulable_computations
-    from hlo_passes.parser import parse_module
+    from hlo_passes.ir.loops import analyze_while, control_flow_callees, schedulable_computations
+    from hlo_passes.ir.parser import parse_module
 
     module = parse_module(text)
     sim_opts = SimOptions(overlap_slowdown=cost_model.options.overlap_slowdown, check=False, memory=False)
@@ -182,7 +182,7 @@ def _entry_sim(text: str, cost_model, judged: Judged):
     """The entry's graph of ``text`` with its callees at ``judged``'s times, its simulation, its name."""
     from concerto_jax.hlo_taskgraph import build_taskgraph, control_flow_durations
     from concerto_jax.simulator import SimOptions, simulate
-    from hlo_passes.parser import parse_module
+    from hlo_passes.ir.parser import parse_module
 
     module = parse_module(text)
     built = build_taskgraph(module, cost_model,

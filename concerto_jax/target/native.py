@@ -148,13 +148,13 @@ def reschedule_text(text: str, cost_model, options) -> Rescheduled:
     Returns:
       A ``Rescheduled``; its text differs from ``text`` only in the order of instruction lines.
     """
-    import hlo_passes
     from concerto_jax.passes.schedule_pass import schedule_computation
-    from hlo_passes.loops import schedulable_computations
+    from hlo_passes.ir import parse_module
+    from hlo_passes.ir.loops import schedulable_computations
 
     if "is_scheduled=true" not in text.split("\n", 1)[0]:
         raise ValueError("reschedule_text needs a scheduled module (is_scheduled=true)")
-    module = hlo_passes.parse_module(text, source="xla-after-lhs")
+    module = parse_module(text, source="xla-after-lhs")
     times: dict[str, dict[str, float]] = {"program": {}, "scheduled": {}, "bound": {}}
     problems: list[str] = []
     done = [schedule_computation(module, comp, cost_model, options, times, problems)

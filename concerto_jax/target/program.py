@@ -145,10 +145,9 @@ def _with_fused_reference(options, reference: str | None, budget: int | None = N
 def _copy_to_reshape(text: str) -> str:
     """Identity ``reshape`` in place of layout-preserving ``copy`` (the deviceless compile path
     refuses to legalise ``mhlo.copy``; docs/ARCHITECTURE.md F3)."""
-    import hlo_passes
-    from hlo_passes.ir import Instruction
+    from hlo_passes.ir import Instruction, module_to_text, parse_module
 
-    module = hlo_passes.parse_module(text, source="emitted")
+    module = parse_module(text, source="emitted")
     n = 0
     for comp in module.computations:
         for inst in [i for i in comp.instructions if i.opcode == "copy"]:
@@ -159,7 +158,7 @@ def _copy_to_reshape(text: str) -> str:
                               {k: v for k, v in inst.attrs.items() if k in ("metadata",)})
             comp.replace_instruction(inst, new)
             n += 1
-    return hlo_passes.module_to_text(module) if n else text
+    return module_to_text(module) if n else text
 
 
 def compile_replicated_for_target(hlo_text: str, devices: Sequence, compiler_options: dict | None = None,
@@ -612,8 +611,8 @@ def _collectives_by_kind(text: str) -> tuple[dict[str, int], dict[str, tuple]]:
     XLA combined them. Only the computations that run as sequences of ops are read: the
     collective inside an ``async-start``'s computation or a collective kernel's fused
     computation is counted once, through its wrapper."""
-    from hlo_passes.loops import schedulable_computations
-    from hlo_passes.parser import parse_module
+    from hlo_passes.ir.loops import schedulable_computations
+    from hlo_passes.ir.parser import parse_module
 
     nbytes = dict.fromkeys(COMBINED_KINDS, 0)
     shapes: dict[str, list] = {k: [] for k in COMBINED_KINDS}
@@ -765,9 +764,9 @@ def _memory_budget(scheduled_src: str | None, options, cost_model) -> int | None
             or options.scheduler.memory_limit_bytes is not None
             or options.scheduler.memory_limit_ratio is None):
         return None
-    import hlo_passes
+    from hlo_passes.ir import parse_module
 
-    return xla_scheduler_memory_limit(hlo_passes.parse_module(scheduled_src, source="xla-after-lhs"),
+    return xla_scheduler_memory_limit(parse_module(scheduled_src, source="xla-after-lhs"),
                                       cost_model.gpu, options.compiler_options)
 
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 __all__ = [
-    "CALLED_COMPUTATION_ATTRS", "COLLECTIVE_KINDS", "async_parts", "collective_kind_of_opcode",
-    "done_opcode",
+    "ALIAS_OPCODES", "CALLED_COMPUTATION_ATTRS", "COLLECTIVE_KINDS", "async_parts",
+    "collective_kind_of_opcode", "done_opcode",
 ]
+
+ALIAS_OPCODES = frozenset({"bitcast", "get-tuple-element", "tuple", "opt-barrier"})
+"""Opcodes that only alias their operands' buffers."""
 
 CALLED_COMPUTATION_ATTRS = frozenset({
     "to_apply", "calls", "condition", "body", "branch_computations",

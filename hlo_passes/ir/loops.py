@@ -2,7 +2,7 @@
 
 Pipeline position: read-only analysis used by the passes that work on every
 computation of a module (``concerto_jax.passes.schedule_pass``) and by the loop
-rewrite (``hlo_passes.pipelining``).
+rewrite (``hlo_passes.pipeline_loops``).
 
 * ``schedulable_computations(module)``: the computations that run as sequences of
   kernels -- the entry, ``while`` bodies and conditions, ``conditional`` branches,
@@ -25,8 +25,8 @@ import dataclasses
 import json
 import math
 
-from hlo_passes.computation import Computation
-from hlo_passes.instruction import Instruction
+from hlo_passes.ir.computation import Computation
+from hlo_passes.ir.instruction import Instruction
 
 __all__ = ["CarriedValue", "LoopInfo", "analyze_while", "schedulable_computations", "side_effects"]
 

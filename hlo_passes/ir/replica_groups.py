@@ -19,11 +19,12 @@ import re
 
 import numpy as np
 
-from hlo_passes.attributes import parse_groups
+from hlo_passes.ir.attributes import parse_groups
 
 __all__ = [
     "parse_replica_groups", "format_replica_groups", "replica_groups_form",
     "expand_iota", "is_partition_of", "parse_mesh_axes", "parse_axis_ref", "mesh_device_array",
+    "device_groups",
 ]
 
 _IOTA_RE = re.compile(
@@ -208,3 +209,14 @@ def is_partition_of(groups, num_ids: int) -> bool:
     flat = [i for g in groups for i in g]
     sizes = {len(g) for g in groups}
     return len(sizes) == 1 and 0 not in sizes and sorted(flat) == list(range(num_ids))
+
+
+def device_groups(inst, num_devices: int) -> list[list[int]]:
+    """The device groups a collective communicates over: its source-target pairs (a
+    ``collective-permute``; ``[[0]]`` for none), else its replica groups, else every device
+    (``inst``: the instruction carrying the collective's attributes)."""
+    pairs = inst.source_target_pairs
+    if pairs is not None:
+        return [list(p) for p in pairs] or [[0]]
+    groups = inst.replica_groups
+    return groups if groups else [list(range(num_devices))]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from hlo_passes.ir import Computation, HloModule, Instruction
+from hlo_passes.ir.computation import Computation
+from hlo_passes.ir.instruction import Instruction
+from hlo_passes.ir.module import HloModule
 
 __all__ = ["module_to_text", "computation_to_text", "instruction_to_text", "signature_text"]
 

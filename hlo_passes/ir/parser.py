@@ -30,10 +30,12 @@ from __future__ import annotations
 import logging
 import re
 
-from hlo_passes import opcodes as _ops
-from hlo_passes.errors import HloParseError
-from hlo_passes.ir import Computation, HloModule, Instruction
-from hlo_passes.shapes import ShapeSyntaxError, parse_shape_at
+from hlo_passes.ir import opcodes as _ops
+from hlo_passes.ir.computation import Computation
+from hlo_passes.ir.errors import HloParseError
+from hlo_passes.ir.instruction import Instruction
+from hlo_passes.ir.module import HloModule
+from hlo_passes.ir.shapes import ShapeSyntaxError, parse_shape_at
 
 __all__ = ["parse_module"]
 

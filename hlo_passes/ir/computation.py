@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from hlo_passes.instruction import Instruction
+from hlo_passes.ir.instruction import Instruction
 
 if TYPE_CHECKING:
-    from hlo_passes.module import HloModule
+    from hlo_passes.ir.module import HloModule
 
 __all__ = ["Computation"]
 
@@ -50,7 +50,7 @@ class Computation:
         self._by_name[inst.name] = inst
 
     def __repr__(self) -> str:
-        from hlo_passes.printer import computation_to_text
+        from hlo_passes.ir.printer import computation_to_text  # lazy: the IR's cycle (printer)
         return computation_to_text(self)
 
     def __len__(self) -> int:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from hlo_passes import opcodes as _ops
-from hlo_passes.errors import HloVerifyError
-from hlo_passes.ir import Computation, HloModule, Instruction
-from hlo_passes.printer import instruction_to_text
-from hlo_passes.replica_groups import is_partition_of
+from hlo_passes.ir import opcodes as _ops
+from hlo_passes.ir.computation import Computation
+from hlo_passes.ir.errors import HloVerifyError
+from hlo_passes.ir.instruction import Instruction
+from hlo_passes.ir.module import HloModule
+from hlo_passes.ir.printer import instruction_to_text
+from hlo_passes.ir.replica_groups import is_partition_of
 
 __all__ = ["verify", "collective_id_space"]
 

@@ -6,8 +6,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from hlo_passes.computation import Computation
-    from hlo_passes.instruction import Instruction
+    from hlo_passes.ir.computation import Computation
+    from hlo_passes.ir.instruction import Instruction
 
 __all__ = ["HloModule"]
 
@@ -39,7 +39,7 @@ class HloModule:
         self._names: set[str] | None = None
 
     def __str__(self) -> str:
-        from hlo_passes.printer import module_to_text
+        from hlo_passes.ir.printer import module_to_text  # lazy: the IR's cycle (printer)
         return module_to_text(self)
 
     def __repr__(self) -> str:
@@ -48,7 +48,7 @@ class HloModule:
                                        if len(lines) > 40 else []))
 
     def to_text(self) -> str:
-        """The module as HLO text (see :func:`hlo_passes.printer.module_to_text`)."""
+        """The module as HLO text (see :func:`hlo_passes.ir.printer.module_to_text`)."""
         return str(self)
 
     @property

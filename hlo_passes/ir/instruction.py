@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from hlo_passes import attributes as _attrs
-from hlo_passes import opcodes as _ops
-from hlo_passes import replica_groups as _rg
-from hlo_passes.shapes import Shape
+from hlo_passes.ir import attributes as _attrs
+from hlo_passes.ir import opcodes as _ops
+from hlo_passes.ir import replica_groups as _rg
+from hlo_passes.ir.shapes import Shape
 
 if TYPE_CHECKING:
-    from hlo_passes.computation import Computation
+    from hlo_passes.ir.computation import Computation
 
 __all__ = ["Instruction"]
 
@@ -53,7 +53,7 @@ class Instruction:
                 op.users.append(self)
 
     def __repr__(self) -> str:
-        from hlo_passes.printer import instruction_to_text
+        from hlo_passes.ir.printer import instruction_to_text  # lazy: the IR's cycle (printer)
         return instruction_to_text(self)
 
     # -- generic attribute access -----------------------------------------------

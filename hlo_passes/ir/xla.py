@@ -6,9 +6,9 @@ __all__ = ["xla_parse", "xla_canonical", "xla_print_options"]
 
 
 def _hlo():
-    # lazy: no JAX start-up when the IR is imported; jaxlib's HLO bindings are reached through
-    # concerto_jax.jax_compat, the one module that touches JAX's internals
-    from concerto_jax import jax_compat
+    # jaxlib's HLO bindings, through concerto_jax.jax_compat (the one module that touches
+    # JAX's internals)
+    from concerto_jax import jax_compat  # lazy: no JAX start-up when the IR is imported
 
     return jax_compat.xla_client().hlo
 
