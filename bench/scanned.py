@@ -180,11 +180,10 @@ def recording_reschedules():
 
 def register_prefetch_all() -> None:
     """Register the bench-only pass ``prefetch_all``: ``pipeline_prefetch`` on every loop that has candidates."""
-    from concerto_jax.pipeline import PassOutcome, register_pass
     from hlo_passes.ir.loops import analyze_while, schedulable_computations
     from hlo_passes.pipelining import loop_shape_problem, pipeline_prefetch, prefetch_candidates
+    from hlo_passes.registry import PASSES, PassOutcome
 
-    @register_pass("prefetch_all")
     def prefetch_all(module, options):  # noqa: ARG001 - pass signature
         loops = [i for c in schedulable_computations(module) for i in c.instructions if i.opcode == "while"]
         done = []
@@ -197,6 +196,8 @@ def register_prefetch_all() -> None:
                 pipeline_prefetch(module, inst, [c.collective for c in cands])
                 done.append({"loop": inst.name, "gathers": len(cands), "bytes": sum(c.bytes for c in cands)})
         return PassOutcome(changed=bool(done), stats={"pipelined": done})
+
+    PASSES["prefetch_all"] = prefetch_all
 
 
 def run_case(name: str, layout: str, cluster: str, mesh: tuple[int, ...], note: str, variant: str,

@@ -24,7 +24,7 @@ Under ``jax.distributed`` every process captures as without a cache; process 0 a
 writes the cache inside ``multiprocess.leader_decides`` (a hit only if the stored captured
 module is the one it captured), every process verifies a plan that came from the cache, and
 all fall back together if any cannot. Executables are not cached there. A pass registered at
-run time (not ``pipeline.PASS_TABLE``'s own) turns the cache off for that compile.
+run time (not ``hlo_passes.registry.PASS_TABLE``'s own) turns the cache off for that compile.
 """
 
 from __future__ import annotations

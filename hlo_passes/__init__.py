@@ -3,6 +3,8 @@
 Layout::
 
     ir/                the IR (parse, verify, print, analyses): no pass here (hlo_passes.ir)
+    registry.py        the passes by name (PASS_TABLE, PASSES), PassOutcome; imports only the IR
+    options.py         PassOptions: what every pass may read of the options it is given
     as_replicas.py     fixed rewrites every emitted module gets: a per-device SPMD module
                        run as N replicas (partition ids, channels, mesh groups, header)
     cpu_compensation.py XLA:CPU's divide-by-broadcast rule (for the executor)

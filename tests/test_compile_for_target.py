@@ -8,6 +8,7 @@ import pytest
 
 import concerto_jax
 from concerto_jax.target import gpu_plugin_available
+from hlo_passes.registry import PASSES, PassOutcome
 from tests._helpers import collective_issues
 
 needs_plugin = pytest.mark.skipif(not gpu_plugin_available(), reason="CUDA PJRT plugin missing: pip install -e .[gpu]")
@@ -240,17 +241,13 @@ def test_rotation_guard_keeps_the_faster_program_on_xlas_module(monkeypatch):
 def test_backend_only_runs_rewriting_passes_before_xla(monkeypatch):
     """A pass that rewrites the post-SPMD module runs first; XLA's pipeline then runs on OUR module
     (replicated) up to its scheduler, and the backend-only compile takes that module."""
-    from concerto_jax import pipeline
-    from concerto_jax.pipeline import PassOutcome
-
     seen = []
 
     def touch(module, options):  # stands for decompose / fuse_collectives: reports a rewrite
         seen.append(module.entry.name)
         return PassOutcome(changed=True, stats={})
 
-    monkeypatch.setitem(pipeline.PASSES, "touch_for_test", touch)
-    monkeypatch.setitem(pipeline.PASS_TABLE, "touch_for_test", __name__)
+    monkeypatch.setitem(PASSES, "touch_for_test", touch)
     step, args = _mlp()
     res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=concerto_jax.Options(
         passes=("touch_for_test", "schedule"), fallback=False, combine_thresholds=()),

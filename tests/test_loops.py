@@ -10,15 +10,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import concerto_jax
-import concerto_jax.passes  # noqa: F401  (registers the passes)
 import hlo_passes
 from concerto_jax.capture import capture
 from concerto_jax.costmodel import CostModel, get_cluster
 from concerto_jax.hlo_taskgraph import build_taskgraph, loops_of
 from concerto_jax.options import Options
-from concerto_jax.pipeline import PASSES
 from concerto_jax.scheduler.evaluate import evaluate
 from hlo_passes.ir.loops import analyze_while, schedulable_computations
+from hlo_passes.registry import PASSES
 from tests._helpers import assert_tree_bitwise
 
 _LOOP = """HloModule loops, num_partitions=1

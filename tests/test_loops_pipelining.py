@@ -7,10 +7,10 @@ import concerto_jax
 import hlo_passes
 from concerto_jax.capture import capture
 from concerto_jax.options import Options
-from concerto_jax.pipeline import PASSES, PassOutcome
 from concerto_jax.scheduler import ScheduleOptions
 from hlo_passes.ir.loops import analyze_while
 from hlo_passes.pipelining import pipeline_prefetch, prefetch_candidates
+from hlo_passes.registry import PASSES, PassOutcome
 from tests._helpers import assert_tree_bitwise
 from tests.test_loops import _LOOP, _scan_step
 

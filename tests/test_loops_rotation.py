@@ -16,9 +16,9 @@ import hlo_passes
 from concerto_jax.capture import capture
 from concerto_jax.decompose.options import DecomposeOptions
 from concerto_jax.options import Options
-from concerto_jax.pipeline import PASSES, PassOutcome
 from hlo_passes.ir.loops import analyze_while
 from hlo_passes.pipelining import rotate_loop, rotation_candidates, rotation_of
+from hlo_passes.registry import PASSES, PassOutcome
 from tests._helpers import assert_tree_bitwise
 from tests.test_loops import _scan_step
 

@@ -27,6 +27,7 @@ from concerto_jax.plan_store import (
     key_of,
     resolve_dir,
 )
+from hlo_passes.registry import PASSES
 from tests._helpers import assert_tree_bitwise
 from tests.workers.plan_cache_step import make_step
 
@@ -138,8 +139,8 @@ def test_the_suite_never_writes_the_users_cache():
 
 
 def test_a_pass_registered_at_run_time_turns_the_cache_off(tmp_path, monkeypatch):
-    real, ran = pipeline.PASSES["schedule"], []
-    monkeypatch.setitem(pipeline.PASSES, "schedule", lambda m, o: ran.append(1) or real(m, o))
+    real, ran = PASSES["schedule"], []
+    monkeypatch.setitem(PASSES, "schedule", lambda m, o: ran.append(1) or real(m, o))
     _optimized(tmp_path)
     _optimized(tmp_path)
     assert len(ran) == 2 and not _entries(tmp_path, "step")

@@ -1,4 +1,4 @@
-"""Passes of the ``optimize`` pipeline, listed by name in ``concerto_jax.pipeline.PASS_TABLE``.
+"""Passes of the ``optimize`` pipeline, listed by name in ``hlo_passes.registry.PASS_TABLE``.
 
 * ``schedule``: order every computation (entry, loop bodies, branches) by the RCPSP
   scheduler (Concerto §4).

@@ -55,9 +55,10 @@ from concerto_jax.decompose.choose import choose
 from concerto_jax.decompose.cost import CALIBRATION_FILE, Calibration
 from concerto_jax.decompose.options import DecomposeOptions
 from concerto_jax.decompose.search import apply, find_candidates, joint_revise
-from concerto_jax.pipeline import PassOutcome, register_pass
 from hlo_passes.ir import channel_counter
 from hlo_passes.ir.errors import HloError
+from hlo_passes.options import PassOptions
+from hlo_passes.registry import PassOutcome
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +71,7 @@ class DecomposeWarning(UserWarning):
     """A strategy was dropped because its rewrite could not be proven safe."""
 
 
-@register_pass("decompose")
-def decompose_pass(module, options) -> PassOutcome:
+def decompose_pass(module, options: PassOptions) -> PassOutcome:
     """Decompose ``module``'s critical collectives; see the module docstring."""
     dopts = getattr(options, "decompose", None) or DecomposeOptions()
     cost_model = CostModel(get_cluster(options.target))

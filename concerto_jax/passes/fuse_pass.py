@@ -28,10 +28,11 @@ import logging
 from concerto_jax import scheduler
 from concerto_jax.costmodel import CostModel, get_cluster
 from concerto_jax.hlo_taskgraph import build_taskgraph
-from concerto_jax.pipeline import PassOutcome
 from concerto_jax.taskgraph import TaskGraph
 from hlo_passes.collective_fusion import fuse_group, fusion_key
 from hlo_passes.ir import module_to_text, parse_module
+from hlo_passes.options import PassOptions
+from hlo_passes.registry import PassOutcome
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ def _fits(module, groups, cost_model, limit) -> tuple[bool, int]:
     return peak <= limit, peak
 
 
-def fuse_pass(module, options) -> PassOutcome:
+def fuse_pass(module, options: PassOptions) -> PassOutcome:
     """Fuse compatible collectives of ``module.entry``; see the module docstring."""
     cost_model = CostModel(get_cluster(options.target))
     hg = build_taskgraph(module, cost_model, fold_aliases=False)

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import logging
 
-from concerto_jax.pipeline import PassOutcome, register_pass
+from hlo_passes.options import PassOptions
 from hlo_passes.pins import CHEAP_OPCODES, pin_windows, windows_from_order
+from hlo_passes.registry import PassOutcome
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +57,7 @@ def planned_windows(module, cost_model) -> list:
     return out
 
 
-@register_pass("pin")
-def pin_pass(module, options) -> PassOutcome:
+def pin_pass(module, options: PassOptions) -> PassOutcome:
     """Pin the planned windows of ``module.entry``; see the module docstring."""
     from concerto_jax.costmodel import CostModel, get_cluster
 

@@ -32,9 +32,9 @@ import logging
 from concerto_jax import scheduler
 from concerto_jax.costmodel import CostModel, get_cluster
 from concerto_jax.hlo_taskgraph import build_taskgraph
-from concerto_jax.pipeline import PassOutcome
 from hlo_passes.ir import module_to_text, parse_module
 from hlo_passes.ir.loops import analyze_while, schedulable_computations
+from hlo_passes.options import PassOptions
 from hlo_passes.pipelining import (
     loop_shape_problem,
     pipeline_prefetch,
@@ -42,6 +42,7 @@ from hlo_passes.pipelining import (
     rotate_loop,
     rotation_candidates,
 )
+from hlo_passes.registry import PassOutcome
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +184,7 @@ def decide_rotation(module, inst, cost_model: CostModel, options, budget: int | 
     return record
 
 
-def pipeline_loops_pass(module, options) -> PassOutcome:
+def pipeline_loops_pass(module, options: PassOptions) -> PassOutcome:
     """Apply the prefetch rewrite to every loop where it pays and fits; see the module docstring."""
     cost_model = CostModel(get_cluster(options.target))
     loops = [inst for comp in schedulable_computations(module) for inst in comp.instructions

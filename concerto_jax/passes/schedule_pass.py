@@ -42,10 +42,11 @@ from concerto_jax.hlo_taskgraph import (
     loops_of,
     with_durations,
 )
-from concerto_jax.pipeline import PassOutcome, register_pass
 from concerto_jax.scheduler.evaluate import evaluate, lower_bound
 from concerto_jax.taskgraph import Event, Phase
 from hlo_passes.ir.loops import control_flow_depths, schedulable_computations, side_effects
+from hlo_passes.options import PassOptions
+from hlo_passes.registry import PassOutcome
 
 log = logging.getLogger(__name__)
 
@@ -198,8 +199,7 @@ def schedule_computation(module, comp, cost_model: CostModel, options, times: di
         solver_s=solver_s, **memory)
 
 
-@register_pass("schedule")
-def schedule_pass(module, options) -> PassOutcome:
+def schedule_pass(module, options: PassOptions) -> PassOutcome:
     """Reorder every computation of ``module`` by the RCPSP scheduler; see the module docstring."""
     cost_model = CostModel(get_cluster(options.target))
     times: dict[str, dict[str, float]] = {"program": {}, "scheduled": {}, "bound": {}}
