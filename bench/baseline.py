@@ -79,14 +79,14 @@ class CompiledCase:
     cluster: object  # concerto_jax.costmodel.Cluster
     cost_model: object  # CostModel of that cluster (default options)
     lowered: object  # the lowered train step (recompile it with other XLA options)
-    compiled: object  # concerto_jax.target.TargetCompile (final text, LHS dumps)
+    compiled: object  # concerto_jax.deviceless.TargetCompile (final text, LHS dumps)
 
 
 def model_case(case: BenchCase):
     """``case``'s train step (a ``models.Case``, abstract state/batch) on a deviceless mesh of its
     cluster, with its preset name and config."""
     from concerto_jax.costmodel import get_cluster
-    from concerto_jax.target import topology
+    from concerto_jax.deviceless import topology
     from models.layouts import make_mesh
     from models.registry import MODELS, make_case
 
@@ -100,7 +100,7 @@ def model_case(case: BenchCase):
 def compile_case(case: BenchCase) -> CompiledCase:
     """Build ``case``'s train step on a deviceless mesh of its cluster and compile it with LHS dumps."""
     from concerto_jax.costmodel import CostModel, get_cluster
-    from concerto_jax.target import CompileOptions, compile_lowered
+    from concerto_jax.deviceless import CompileOptions, compile_lowered
 
     cluster = get_cluster(case.cluster)
     mcase, preset, cfg = model_case(case)
@@ -130,6 +130,12 @@ def _strip_names(text: str) -> str:
 
 def run_case(case: BenchCase, options: BaselineOptions, *, export_trace: bool = False) -> dict:
     """Compile, build, simulate one case; returns a row of ``COLUMNS``."""
+    from concerto_jax.deviceless import (
+        CompileOptions,
+        compile_lowered,
+        costs_from_graph,
+        write_profile,
+    )
     from concerto_jax.simulator import (
         SimOptions,
         lower_bounds,
@@ -137,12 +143,6 @@ def run_case(case: BenchCase, options: BaselineOptions, *, export_trace: bool = 
         simulate_synchronous,
         write_chrome_trace,
         write_gantt,
-    )
-    from concerto_jax.target import (
-        CompileOptions,
-        compile_lowered,
-        costs_from_graph,
-        write_profile,
     )
     from models.registry import MODELS
 

@@ -3,7 +3,7 @@
 The fair comparison of ``docs/ARCHITECTURE.md`` F4. For each
 suite case (``bench.suite``):
 
-1. Deviceless GPU compile (``concerto_jax.target.compile_lowered``) with the
+1. Deviceless GPU compile (``concerto_jax.deviceless.compile_lowered``) with the
    dumps around ``latency-hiding-scheduler``. The module LHS *received*
    (fused kernels, async start/done pairs, the memory scheduler's order) is
    parsed and turned into ONE costed ``TaskGraph`` (``build_taskgraph``).

@@ -1,6 +1,6 @@
 """Fusion-aware costs of the post-SPMD graph (``concerto_jax.costmodel.fused``) against XLA's fused module.
 
-For every suite case: one deviceless stock compile (``target.compile.compile_lowered`` with
+For every suite case: one deviceless stock compile (``deviceless.compile.compile_lowered`` with
 the post-SPMD and scheduled-module dumps), then, with one cost model:
 
 * the post-SPMD task graph (``build_taskgraph``) with the cost model's unfused per-op costs
@@ -57,7 +57,7 @@ def _texts(case, from_dump: str | None, dump_dir: str | None = None) -> tuple[st
         return pre, xla
     from bench.baseline import model_case
     from concerto_jax.costmodel import get_cluster
-    from concerto_jax.target.compile import CompileOptions, compile_lowered
+    from concerto_jax.deviceless.compile import CompileOptions, compile_lowered
 
     mcase, _, _ = model_case(case)
     lowered = mcase.lower()

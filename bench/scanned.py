@@ -10,7 +10,7 @@ reduce-scatter and all-reduce: ``xla_gpu_enable_pipelined_*``) gives three modul
   scheduler), i.e. stock XLA at its best on loops;
 * planned: XLA's scheduled module of our program (the one its post-scheduling pipelines
   receive, i.e. after LHS) with every computation (entry, while bodies and conditions,
-  nested) in OUR order (``target.native.reschedule_text``), the module handed to XLA's
+  nested) in OUR order (``deviceless.reschedule.reschedule_text``), the module handed to XLA's
   backend;
 * final: XLA's final module of that program (PJRT C API, ``run_backend_only``): what
   the GPUs would run. This is the column the bench judges ours on.
@@ -55,7 +55,7 @@ import tempfile
 import time
 
 from bench.suite import BenchCase
-from concerto_jax.target.fidelity import judge_module, overlap_kept
+from concerto_jax.deviceless.fidelity import judge_module, overlap_kept
 
 log = logging.getLogger(__name__)
 
@@ -160,22 +160,22 @@ def _in_lcs(a: list[str], b: list[str]) -> set[str]:
 
 @contextlib.contextmanager
 def recording_reschedules():
-    """Record every ``target.native.reschedule_text`` result while the block runs (read-only wrapper)."""
-    from concerto_jax.target import native
+    """Record every ``deviceless.reschedule.reschedule_text`` result while the block runs (read-only wrapper)."""
+    from concerto_jax.deviceless import reschedule
 
     seen: list = []
-    original = native.reschedule_text
+    original = reschedule.reschedule_text
 
     def wrapped(*args, **kwargs):
         out = original(*args, **kwargs)
         seen.append(out)
         return out
 
-    native.reschedule_text = wrapped
+    reschedule.reschedule_text = wrapped
     try:
         yield seen
     finally:
-        native.reschedule_text = original
+        reschedule.reschedule_text = original
 
 
 def register_prefetch_all() -> None:

@@ -377,7 +377,7 @@ def check_deviceless(d, case) -> str:
     import types
 
     from concerto_jax import gpu_executor
-    from concerto_jax.target.pjrt_c import RIEGELI_SIGNATURE
+    from concerto_jax.deviceless.pjrt_c import RIEGELI_SIGNATURE
 
     p = d.payload
     assert p.data.startswith(RIEGELI_SIGNATURE), f"payload starts {p.data[:8].hex()}, not Riegeli"
@@ -506,7 +506,7 @@ def negative_checks(step, make_args, opts, backend_cls) -> str:
 
     import concerto_jax
     from concerto_jax import gpu_executor, jax_compat
-    from concerto_jax.target.pjrt_c import RIEGELI_SIGNATURE
+    from concerto_jax.deviceless.pjrt_c import RIEGELI_SIGNATURE
 
     args = make_args(0)
     built = gpu_executor.build(step, args, {}, opts, backend_cls())
@@ -601,7 +601,7 @@ def perturbed_order(text: str) -> str:
     """``text`` with its entry in another legal order: Kahn's topological sort taking the most
     recently readied instruction first (XLA's order takes them otherwise); the same text if the
     entry has only one legal order."""
-    from concerto_jax.target.native import permute_text
+    from concerto_jax.deviceless.reschedule import permute_text
     from hlo_passes.ir import parse_module
 
     module = parse_module(text, source="perturb")
@@ -757,7 +757,7 @@ _PROBE_COMPUTE_CAPABILITY = _PROBE_SETUP + r'''
 try:
     t = gpu_executor.device_target(dev)
     other = "a100_sxm_80.txtpb" if t.compute_capability != "8.0" else "h100_sxm.txtpb"
-    text = resources.files("concerto_jax").joinpath("targets", other).read_text()
+    text = resources.files("concerto_jax").joinpath("gpu_configs", other).read_text()
     bad = dataclasses.replace(t, config_text=text, compute_capability=gpu_executor.config_compute_capability(text))
     p = gpu_executor.compile_payload(built.plan.handed, bad, 1, replicated=False)
 except Exception as e:
@@ -808,7 +808,7 @@ def gpu_negative_checks(run: Run) -> None:
         other = "a100_sxm_80.txtpb" if t.compute_capability != "8.0" else "h100_sxm.txtpb"
         from importlib import resources
 
-        text = resources.files("concerto_jax").joinpath("targets", other).read_text()
+        text = resources.files("concerto_jax").joinpath("gpu_configs", other).read_text()
         bad = dataclasses.replace(t, config_text=text,
                                   compute_capability=gpu_executor.config_compute_capability(text))
         built = gpu_executor.build(f, make_args(0), {}, concerto_jax.Options(passes=()), gpu_executor.GpuBackend())
@@ -941,8 +941,8 @@ def kernel_class(inst) -> str:
 
 def _predictions(final_text: str, cost_model) -> tuple[dict, dict, float]:
     """``({instruction: predicted us}, {instruction: class}, predicted step us)`` of a final module."""
+    from concerto_jax.deviceless.fidelity import judge_module
     from concerto_jax.hlo_taskgraph import op_info
-    from concerto_jax.target.fidelity import judge_module
     from hlo_passes.ir import parse_module
     from hlo_passes.ir.loops import schedulable_computations
 
@@ -1218,7 +1218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("absl", "jax._src", "concerto_jax.scheduler", "concerto_jax.target", "concerto_jax.pipeline"):
+    for noisy in ("absl", "jax._src", "concerto_jax.scheduler", "concerto_jax.deviceless", "concerto_jax.pipeline"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     import jax
 
@@ -1242,7 +1242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _verdict(run)
     log.info("gpu_check on %s; results under %s", _environment_line(), args.out)
     md = ""
-    from concerto_jax.target import gpu_plugin_available
+    from concerto_jax.deviceless import gpu_plugin_available
 
     if not gpu_plugin_available():
         run.skip("deviceless", "the CUDA PJRT plugin is not installed")

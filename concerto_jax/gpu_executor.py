@@ -14,7 +14,7 @@ D10) and the executable comes back into JAX through serialization. Stages (any f
                      fuse_collectives, ...) on the post-SPMD module; where one changed it, XLA's
                      pipeline on our module up to its scheduler (replicated compile on the real
                      client, dumped); "schedule" on XLA's scheduled module (every computation,
-                     target.native.reschedule_text): the text handed to the backend
+                     deviceless.reschedule.reschedule_text): the text handed to the backend
     target_config    the real devices' GpuTargetConfigProto: the shipped config of their device
                      kind, compute capability checked, SM count set (``device_target``)  [GPU]
     backend_compile  PJRT_Compile of the handed module, deviceless, run_backend_only (XLA keeps
@@ -159,9 +159,9 @@ def device_target(devices: Sequence) -> DeviceTarget:
         known = ", ".join(f"{p.pattern!r} -> {n}" for p, n in _KIND_TO_CONFIG)
         raise GpuRouteError("target_config", f"no target config for device kind {kind!r} "
                             f"(compute capability {cc}); shipped: {known}. Add its "
-                            "GpuTargetConfigProto to concerto_jax/targets/ and "
+                            "GpuTargetConfigProto to concerto_jax/gpu_configs/ and "
                             "gpu_executor._KIND_TO_CONFIG")
-    text = resources.files("concerto_jax").joinpath("targets", name).read_text()
+    text = resources.files("concerto_jax").joinpath("gpu_configs", name).read_text()
     want = config_compute_capability(text)
     if want != cc:
         raise GpuRouteError("target_config", f"device kind {kind!r} reports compute capability "
@@ -225,7 +225,7 @@ def check_payload(payload: Payload, devices: Sequence, step_devices: int) -> Non
         compiled for another device count than the devices (the runtime aborts the process
         on that) or than the step; for another compute capability than the devices'.
     """
-    from concerto_jax.target.pjrt_c import RIEGELI_SIGNATURE
+    from concerto_jax.deviceless.pjrt_c import RIEGELI_SIGNATURE
 
     data = payload.data
     if not data:
@@ -419,7 +419,7 @@ def plan_on_scheduled(post_spmd: str, scheduled: str | None, options,
     """
     from concerto_jax import executor, pipeline
     from concerto_jax.costmodel import CostModel, get_cluster
-    from concerto_jax.target.program import _with_fused_reference
+    from concerto_jax.deviceless.program import _with_fused_reference
 
     cost_model = CostModel(get_cluster(options.target))
     records: list = []
@@ -443,7 +443,7 @@ def plan_on_scheduled(post_spmd: str, scheduled: str | None, options,
                            for r in records]
     handed, record = _ordered(src, options, cost_model)
     if replicated:
-        from concerto_jax.target.fidelity import judge_module
+        from concerto_jax.deviceless.fidelity import judge_module
 
         plain, plain_record = _ordered(scheduled, options, cost_model)
         ours_us, plain_us = judge_module(handed, cost_model).us, judge_module(plain, cost_model).us
@@ -476,13 +476,13 @@ def _require_scheduled(src: str | None) -> str:
 
 def _ordered(src: str, options, cost_model) -> tuple[str, Any]:
     """``src`` in our order when "schedule" runs (else as is), and the schedule's record."""
+    from concerto_jax.deviceless import reschedule
     from concerto_jax.report import PassRecord
-    from concerto_jax.target import native
 
     if "schedule" not in options.passes:
         return src, None
     t0 = time.perf_counter()
-    r = native.reschedule_text(src, cost_model, options)
+    r = reschedule.reschedule_text(src, cost_model, options)
     entry = r.computations[-1]
     if (entry.memory_limit_bytes is not None and entry.peak_bytes is not None
             and entry.peak_bytes > entry.memory_limit_bytes):
@@ -521,7 +521,7 @@ class GpuBackend:
         return StockCompile(compiled, post, scheduled, devices, time.perf_counter() - t0)
 
     def plan(self, stock: StockCompile, options) -> Plan:
-        from concerto_jax.target.program import compile_replicated_for_target
+        from concerto_jax.deviceless.program import compile_replicated_for_target
 
         def xla_scheduled(text: str) -> str | None:
             return compile_replicated_for_target(text, stock.device_list,
@@ -541,7 +541,7 @@ def compile_payload(handed: str, target, num_devices: int, *, replicated: bool,
                     env: Mapping[str, Any] | None = None, compute_capability: str | None = None) -> Payload:
     """Backend-only compile of ``handed`` for ``target`` (a ``DeviceTarget`` or a ``Cluster``),
     deviceless, devices 0..n-1, and its serialized executable."""
-    from concerto_jax.target import pjrt_c
+    from concerto_jax.deviceless import pjrt_c
 
     env = dict(env or {})
     ids = list(range(num_devices))
@@ -820,7 +820,7 @@ class Deviceless:
     """The route's compile half for a deviceless target: stock compile, plan, backend-only
     compile and serialized executable (what a GPU host would load)."""
 
-    stock: Any  # target.compile.TargetCompile
+    stock: Any  # deviceless.compile.TargetCompile
     plan: Plan
     payload: Payload
     seconds: dict
@@ -830,8 +830,8 @@ def compile_deviceless(step, abstract_args: Sequence, cluster, options) -> Devic
     """Run the route's compile stages for ``cluster`` without a GPU (``step`` jitted over a
     ``target_mesh`` of it, ``abstract_args`` ShapeDtypeStructs): the same ``plan_on_scheduled``
     and ``compile_payload`` a GPU host runs, on the deviceless stock compile."""
-    from concerto_jax.target.compile import CompileOptions, compile_lowered, lower_for_target
-    from concerto_jax.target.program import _devices_of, compile_replicated_for_target
+    from concerto_jax.deviceless.compile import CompileOptions, compile_lowered, lower_for_target
+    from concerto_jax.deviceless.program import _devices_of, compile_replicated_for_target
 
     seconds: dict = {}
     env = dict(options.compiler_options)

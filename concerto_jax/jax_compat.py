@@ -4,7 +4,7 @@ Everything private that the package uses of JAX (``jax._src``), jaxlib (``_jax``
 ``_hlo``, ``xla_client``) and XLA (dump pass names, the IFRT serialization header) goes
 through this module, so that a JAX upgrade is checked in one file. Each function names
 the versions its path was checked on. The PJRT C API of the CUDA plugin is driven by
-``concerto_jax.target.pjrt_c``, which checks the API version and table size the plugin
+``concerto_jax.deviceless.pjrt_c``, which checks the API version and table size the plugin
 reports and reads function pointers by the header's (append-only) layout.
 
 Supported: jax/jaxlib from ``MIN_VERSION`` up to, not including, ``NEXT_UNCHECKED``

@@ -7,7 +7,7 @@ import os
 import pytest
 
 import concerto_jax
-from concerto_jax.target import gpu_plugin_available
+from concerto_jax.deviceless import gpu_plugin_available
 from hlo_passes.registry import PASSES, PassOutcome
 from tests._helpers import collective_issues
 
@@ -84,12 +84,12 @@ def test_compile_for_target_pins_and_measures(tmp_path):
 
 @needs_plugin
 def test_compile_for_target_falls_back_with_one_warning(monkeypatch):
-    from concerto_jax.target import program
+    from concerto_jax.deviceless import program
 
     def broken(*a, **k):
         raise RuntimeError("simulated XLA rejection")
 
-    from concerto_jax.target import pjrt_c
+    from concerto_jax.deviceless import pjrt_c
 
     monkeypatch.setattr(program, "compile_replicated_for_target", broken)  # the pin path's compile
     monkeypatch.setattr(pjrt_c, "compile_hlo", broken)  # the backend-only path's compile
@@ -269,7 +269,7 @@ def test_step_times_count_collectives_inside_loops():
     from jax.sharding import PartitionSpec as P
 
     from concerto_jax.costmodel import CostModel, get_cluster
-    from concerto_jax.target.fidelity import judge_module
+    from concerto_jax.deviceless.fidelity import judge_module
 
     mesh = concerto_jax.target_mesh("h100_sxm_8", (8,), ("tp",))
 
@@ -309,7 +309,7 @@ def test_rewrite_guard_keeps_the_faster_of_rewritten_and_plain_plans(monkeypatch
     # compiles the faster one; the decision, the figures and the handed module must agree.
     from concerto_jax.costmodel import CostModel, get_cluster
     from concerto_jax.decompose.options import DecomposeOptions
-    from concerto_jax.target import fidelity
+    from concerto_jax.deviceless import fidelity
 
     judged_texts = []
     judge = fidelity.judge_module
@@ -354,7 +354,7 @@ def test_a_program_slower_than_stock_on_xlas_module_reports_stock(monkeypatch):
     (here the forced split with its rewrite guard off inside the backend-only path: 77 vs 48 us)
     is replaced by the stock program, the pass records kept to say what was tried."""
     from concerto_jax.decompose.options import DecomposeOptions
-    from concerto_jax.target import program
+    from concerto_jax.deviceless import program
 
     real = program._backend_only
     monkeypatch.setattr(program, "_backend_only",
@@ -386,7 +386,7 @@ def test_rewrite_guard_tries_the_replicated_collectives_without_the_split(monkey
     from jax.sharding import PartitionSpec as P
 
     from concerto_jax.decompose.options import DecomposeOptions
-    from concerto_jax.target import program
+    from concerto_jax.deviceless import program
 
     real, calls = program._plan_on, []
 
@@ -459,7 +459,7 @@ def test_combine_thresholds_keep_the_fastest_plan():
     # to its threshold; candidates of 1 B (nothing combined) and 8 MiB are planned too, and
     # the fastest plan is compiled. Whatever wins, the record, the figures and the final
     # module agree. One kind (all-reduce) only: no per-kind round.
-    from concerto_jax.target.program import combine_threshold_options
+    from concerto_jax.deviceless.program import combine_threshold_options
 
     step, args = _dp_mlp()
     base = concerto_jax.Options(passes=("schedule",), fallback=False, combine_thresholds=())
@@ -502,7 +502,7 @@ def test_rewrite_guard_near_tie_searches_both_programs(monkeypatch):
     # threshold search run on both the split program and the original, and keeps the faster
     # searched plan: the record, the figures and the handed module agree.
     from concerto_jax.decompose.options import DecomposeOptions
-    from concerto_jax.target import program
+    from concerto_jax.deviceless import program
 
     monkeypatch.setattr(program, "GUARD_RETUNE_MARGIN", 100.0)
     step, args = _mlp()
@@ -529,7 +529,7 @@ def test_rewrite_guard_searches_both_programs_when_the_rewrite_loses(monkeypatch
     # rewrite wins there; where it loses (XLA's combiners may have merged collectives of
     # different chunks at its default thresholds), both programs get the threshold search.
     from concerto_jax.decompose.options import DecomposeOptions
-    from concerto_jax.target import program
+    from concerto_jax.deviceless import program
 
     monkeypatch.setattr(program, "GUARD_RETUNE_MARGIN", 0.0)
     step, args = _mlp()
@@ -560,7 +560,7 @@ def test_rewrite_guard_searches_the_original_where_the_rewrites_search_outruns_i
     # gpt_zero3_16's split led by 108.7 us at XLA's thresholds and its own search moved it
     # 815.6 us (the original's search then beat it); gpt_dp2_tp8_2hosts's led by 1,153.6 us
     # and its search moved it 328.4 us (the lead stands, no second search).
-    from concerto_jax.target.program import search_original_too
+    from concerto_jax.deviceless.program import search_original_too
 
     assert search_original_too(4579.8, 4688.5, 3764.2)
     assert not search_original_too(5928.7, 7082.3, 5600.3)
@@ -622,7 +622,7 @@ def test_xla_scheduler_memory_limit_formula():
     """XLA's GPU scheduler limit: (80 % of device memory - parameter and output bytes) x slop %."""
     import hlo_passes
     from concerto_jax.costmodel import get_cluster
-    from concerto_jax.target.program import xla_scheduler_memory_limit
+    from concerto_jax.deviceless.program import xla_scheduler_memory_limit
 
     module = hlo_passes.parse_module("""HloModule m
 
@@ -648,7 +648,7 @@ def test_memory_budget_plans_within_xlas_limit_and_keeps_the_faster():
     first alone."""
     import hlo_passes
     from concerto_jax.costmodel import get_cluster
-    from concerto_jax.target.program import xla_scheduler_memory_limit
+    from concerto_jax.deviceless.program import xla_scheduler_memory_limit
 
     step, args = _dp_mlp(fsdp=True)
     base = concerto_jax.Options(passes=("schedule",), fallback=False, combine_thresholds=())

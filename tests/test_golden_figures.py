@@ -132,8 +132,8 @@ def _gpu_modules():
 
 
 def judge_figures() -> dict:
-    from concerto_jax.target.fidelity import judge_module, measure
-    from concerto_jax.target.native import reschedule_text
+    from concerto_jax.deviceless.fidelity import judge_module, measure
+    from concerto_jax.deviceless.reschedule import reschedule_text
 
     cm = _cost_model()
     out = {}
@@ -291,7 +291,7 @@ def deviceless_figures() -> dict:
 
 
 def _plugin() -> bool:
-    from concerto_jax.target.compile import gpu_plugin_available
+    from concerto_jax.deviceless.compile import gpu_plugin_available
 
     return gpu_plugin_available()
 

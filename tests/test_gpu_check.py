@@ -10,7 +10,7 @@ import jax
 import pytest
 
 from concerto_jax import gpu_check, gpu_executor
-from concerto_jax.target import gpu_plugin_available
+from concerto_jax.deviceless import gpu_plugin_available
 
 needs_plugin = pytest.mark.skipif(not gpu_plugin_available(),
                                   reason="CUDA PJRT plugin missing: pip install -e .[gpu]")

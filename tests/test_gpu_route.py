@@ -17,8 +17,8 @@ from jax.sharding import AxisType, Mesh
 
 import concerto_jax
 from concerto_jax import gpu_executor, jax_compat
+from concerto_jax.deviceless import gpu_plugin_available
 from concerto_jax.gpu_executor import CpuRehearsal, GpuRouteError, LoadRefused, Payload
-from concerto_jax.target import gpu_plugin_available
 from tests._helpers import assert_tree_bitwise
 from tests.test_optimize import _mesh, _mlp_step
 
@@ -192,7 +192,7 @@ def test_another_device_count_is_refused_before_the_runtime(eight_and_four):
 
 
 def test_another_compute_capability_is_refused(eight_and_four):
-    from concerto_jax.target.pjrt_c import RIEGELI_SIGNATURE
+    from concerto_jax.deviceless.pjrt_c import RIEGELI_SIGNATURE
 
     built, _, _, _ = eight_and_four
     gpus = [types.SimpleNamespace(id=i, device_kind="NVIDIA H100 80GB HBM3", compute_capability="9.0",
@@ -216,7 +216,7 @@ def dataclass_replace(obj, **kw):
 
 @pytest.mark.parametrize("bad", ["no_header", "four_devices", "compute_capability"])
 def test_bad_payloads_fall_back_with_a_warning_naming_the_load(monkeypatch, eight_and_four, bad):
-    from concerto_jax.target.pjrt_c import RIEGELI_SIGNATURE
+    from concerto_jax.deviceless.pjrt_c import RIEGELI_SIGNATURE
 
     built, small, step, make_args = eight_and_four
     real_compile = CpuRehearsal.compile
@@ -316,7 +316,7 @@ def test_deviceless_compile_serializes_our_order():
     from jax.sharding import PartitionSpec as P
 
     from concerto_jax.costmodel import get_cluster
-    from concerto_jax.target.pjrt_c import RIEGELI_SIGNATURE
+    from concerto_jax.deviceless.pjrt_c import RIEGELI_SIGNATURE
 
     mesh = concerto_jax.target_mesh("h100_sxm_8", (8,), ("x",))
     sh = lambda spec: NamedSharding(mesh, spec)  # noqa: E731

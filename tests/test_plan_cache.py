@@ -411,7 +411,7 @@ def _target_step():
 
 
 def _needs_plugin():
-    from concerto_jax.target.compile import gpu_plugin_available
+    from concerto_jax.deviceless.compile import gpu_plugin_available
 
     if not gpu_plugin_available():
         pytest.skip("CUDA PJRT plugin missing: pip install -e .[gpu]")
@@ -419,7 +419,7 @@ def _needs_plugin():
 
 def test_compile_for_target_hit_miss_and_damage(tmp_path, monkeypatch):
     _needs_plugin()
-    from concerto_jax.target import program
+    from concerto_jax.deviceless import program
 
     step, args = _target_step()
     options = concerto_jax.Options(passes=("schedule",), combine_thresholds=(), cache_dir=str(tmp_path))

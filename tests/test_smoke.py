@@ -10,7 +10,7 @@ import concerto_jax
 import hlo_passes
 import models
 from concerto_jax.capture import capture
-from concerto_jax.target import gpu_plugin_available
+from concerto_jax.deviceless import gpu_plugin_available
 from hlo_passes.registry import PASS_TABLE
 from tests._helpers import FAST, NO_COMBINER, run_bitwise_steps
 

@@ -26,9 +26,9 @@ log = logging.getLogger(__name__)
 
 def planned_windows(module, cost_model) -> list:
     """The windows of ``module.entry`` cut where the planned transfer of each collective ends."""
+    from concerto_jax.deviceless.fidelity import planned_events
     from concerto_jax.hlo_taskgraph import build_taskgraph
     from concerto_jax.simulator import SimOptions, simulate
-    from concerto_jax.target.fidelity import planned_events
 
     windows = windows_from_order(module.entry)
     if not windows:

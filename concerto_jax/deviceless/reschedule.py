@@ -25,6 +25,9 @@ import dataclasses
 import logging
 import re
 
+from hlo_passes.ir import parse_module
+from hlo_passes.ir.loops import schedulable_computations
+
 log = logging.getLogger(__name__)
 
 _COMP_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
@@ -149,8 +152,6 @@ def reschedule_text(text: str, cost_model, options) -> Rescheduled:
       A ``Rescheduled``; its text differs from ``text`` only in the order of instruction lines.
     """
     from concerto_jax.passes.schedule_pass import schedule_computation
-    from hlo_passes.ir import parse_module
-    from hlo_passes.ir.loops import schedulable_computations
 
     if "is_scheduled=true" not in text.split("\n", 1)[0]:
         raise ValueError("reschedule_text needs a scheduled module (is_scheduled=true)")

@@ -2,7 +2,7 @@
 
 Recipe (``docs/ARCHITECTURE.md`` F3, checked with jax/jaxlib 0.10.2): the CUDA PJRT
 plugin describes a topology from a shipped ``GpuTargetConfigProto``
-(``concerto_jax/targets/*.txtpb``); a mesh over that topology's devices
+(``concerto_jax/gpu_configs/*.txtpb``); a mesh over that topology's devices
 gives shardings; ``jit(...).trace(*abstract).lower().compile(options)`` runs
 XLA's GPU compiler (ptxas from ``nvidia-cuda-nvcc``) and ``as_text()`` is the
 final scheduled module. The run must have ``JAX_PLATFORMS=cpu`` (set by the
@@ -26,8 +26,14 @@ import tempfile
 import time
 from collections.abc import Sequence
 
+import jax
+import numpy as np
+from jax.experimental import topologies
+from jax.sharding import AxisType, Mesh
+
 from concerto_jax.capture import restore_parameter_shardings
-from concerto_jax.costmodel.cluster import Cluster
+from concerto_jax.costmodel.cluster import Cluster, get_cluster
+from concerto_jax.deviceless import cuda_plugin
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +48,11 @@ def require_gpu_plugin() -> None:
     Raises:
       GpuPluginMissingError: with the command that installs it.
     """
-    from concerto_jax.target.cuda_plugin import ensure_registered
-
-    if not ensure_registered():  # site-packages install, or our private directory
+    if not cuda_plugin.ensure_registered():  # site-packages install, or our private directory
         raise GpuPluginMissingError(
             "deviceless GPU compile needs the CUDA PJRT plugin, ptxas and libdevice: "
             "install them with `pip install -e .[gpu]` (nvidia-cuda-nvcc, nvidia-nvvm) and "
-            "`python -m concerto_jax.target.cuda_plugin install` (jax-cuda13-pjrt and "
+            "`python -m concerto_jax.deviceless.cuda_plugin install` (jax-cuda13-pjrt and "
             "jax-cuda13-plugin at the jax version, outside JAX's plugin discovery)")
 
 
@@ -65,8 +69,6 @@ def gpu_plugin_available() -> bool:
 def topology(cluster: Cluster):
     """The deviceless ``TopologyDescription`` of ``cluster`` (devices 0..n-1, host-major)."""
     require_gpu_plugin()
-    from jax.experimental import topologies
-
     return topologies.get_topology_desc(
         platform="cuda", topology_name=cluster.topology_name, topology=cluster.topology,
         target_config=cluster.target_config_text())
@@ -84,12 +86,7 @@ def target_mesh(cluster: Cluster | str, shape: Sequence[int], axis_names: Sequen
     Raises:
       ValueError: unknown cluster name, or a shape that does not cover the cluster.
     """
-    import numpy as np
-    from jax.sharding import AxisType, Mesh
-
     if isinstance(cluster, str):
-        from concerto_jax.costmodel.cluster import get_cluster
-
         cluster = get_cluster(cluster)
     devices = sorted(topology(cluster).devices, key=lambda d: d.id)
     if int(np.prod(shape)) != len(devices):
@@ -288,8 +285,6 @@ def compile_fn(fn, abstract_args: Sequence, cluster: Cluster, *, in_shardings=No
 
     The shardings must be over a mesh from ``target_mesh(cluster, ...)``.
     """
-    import jax
-
     kwargs = {}
     if in_shardings is not None:
         kwargs["in_shardings"] = in_shardings

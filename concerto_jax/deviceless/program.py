@@ -17,10 +17,10 @@ Two ways to make XLA's GPU compiler run our order (``via``):
       |                     (replicated compile with the same dump) and that scheduled module
       |                     is used instead
       | schedule            our scheduler orders every computation of XLA's scheduled module
-      |                     (target.native.reschedule_text: no opt-barrier, XLA fused and
+      |                     (deviceless.reschedule.reschedule_text: no opt-barrier, XLA fused and
       |                     combined as usual); memory limit: ScheduleOptions' (default: the
       |                     starting order's peak)
-      | backend-only compile the PJRT C API (target.pjrt_c) with run_backend_only: XLA keeps
+      | backend-only compile the PJRT C API (deviceless.pjrt_c) with run_backend_only: XLA keeps
       |                     the schedule and runs its backend; final_text is its module
       | simulate            one cost model for planned (the module we handed XLA, in its
       |                     order), final and stock
@@ -46,7 +46,7 @@ import warnings
 from collections.abc import Sequence
 
 from concerto_jax import jax_compat, plan_cache
-from concerto_jax.target.compile import (
+from concerto_jax.deviceless.compile import (
     SCHEDULED_MARKER,
     SCHEDULED_PASS,
     CompileOptions,
@@ -250,8 +250,8 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
     """
     from concerto_jax.capture import jit_info
     from concerto_jax.costmodel import CostModel, get_cluster
+    from concerto_jax.deviceless.fidelity import measure
     from concerto_jax.options import Options
-    from concerto_jax.target.fidelity import measure
 
     if via not in ("backend_only", "pin"):
         raise ValueError(f"via must be 'backend_only' or 'pin', got {via!r}")
@@ -376,8 +376,8 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
     which then does not simulate the plan a second time.
     """
     from concerto_jax import pipeline
+    from concerto_jax.deviceless import pjrt_c
     from concerto_jax.executor import replicated_compile_options
-    from concerto_jax.target import pjrt_c
 
     devices = _devices_of(stock.compiled)
     env = dict(options.compiler_options)
@@ -789,7 +789,7 @@ def _plan_on(scheduled_src: str, options, cost_model, seconds: dict,
     Raises:
       RuntimeError: our order's peak exceeds the memory limit.
     """
-    from concerto_jax.target.fidelity import judge_module
+    from concerto_jax.deviceless.fidelity import judge_module
 
     if "schedule" not in options.passes:
         return {"handed": scheduled_src, "judged": judge_module(scheduled_src, cost_model),
@@ -819,12 +819,12 @@ def _plan_on(scheduled_src: str, options, cost_model, seconds: dict,
 def _plan_once(scheduled_src: str, options, cost_model, seconds: dict, same_as=None) -> dict:
     """One run of the schedule pass over ``scheduled_src`` (``_plan_on``), judged (the judge of
     ``same_as``, an earlier plan, reused when the order is the same)."""
+    from concerto_jax.deviceless import reschedule
+    from concerto_jax.deviceless.fidelity import judge_module
     from concerto_jax.report import PassRecord
-    from concerto_jax.target import native
-    from concerto_jax.target.fidelity import judge_module
 
     t0 = time.perf_counter()
-    r = native.reschedule_text(scheduled_src, cost_model, options)
+    r = reschedule.reschedule_text(scheduled_src, cost_model, options)
     dt = time.perf_counter() - t0
     seconds["schedule"] = seconds.get("schedule", 0.0) + dt
     entry = r.computations[-1]

@@ -28,9 +28,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib
 import logging
 import os
 import threading
+
+from concerto_jax.deviceless import compile as deviceless_compile
+from concerto_jax.deviceless import cuda_plugin
 
 log = logging.getLogger(__name__)
 
@@ -126,18 +130,11 @@ def plugin_path() -> str:
     Raises:
       GpuPluginMissingError: the plugin is not installed.
     """
-    import importlib
-
-    from concerto_jax.target.compile import require_gpu_plugin
-    from concerto_jax.target.cuda_plugin import PLUGIN_MODULE
-
-    require_gpu_plugin()
-    mod = importlib.import_module(PLUGIN_MODULE)
+    deviceless_compile.require_gpu_plugin()
+    mod = importlib.import_module(cuda_plugin.PLUGIN_MODULE)
     path = os.path.join(os.path.dirname(mod.__file__), "xla_cuda_plugin.so")
     if not os.path.exists(path):
-        from concerto_jax.target.compile import GpuPluginMissingError
-
-        raise GpuPluginMissingError(f"the CUDA plugin module has no xla_cuda_plugin.so at {path}")
+        raise deviceless_compile.GpuPluginMissingError(f"the CUDA plugin module has no xla_cuda_plugin.so at {path}")
     return path
 
 

@@ -12,7 +12,7 @@ planned vs final vs stock step times (``fidelity``).
 """
 
 from concerto_jax.costmodel.cluster import CLUSTERS, Cluster, get_cluster
-from concerto_jax.target.compile import (
+from concerto_jax.deviceless.compile import (
     CompileOptions,
     GpuPluginMissingError,
     TargetCompile,
@@ -23,8 +23,8 @@ from concerto_jax.target.compile import (
     target_mesh,
     topology,
 )
-from concerto_jax.target.pgle import costs_from_graph, profile_text, write_profile
-from concerto_jax.target.program import TargetFallbackWarning, TargetResult, compile_for_target
+from concerto_jax.deviceless.pgle import costs_from_graph, profile_text, write_profile
+from concerto_jax.deviceless.program import TargetFallbackWarning, TargetResult, compile_for_target
 
 __all__ = [
     "CLUSTERS", "Cluster", "CompileOptions", "GpuPluginMissingError", "TargetCompile",

@@ -8,7 +8,7 @@ installed it fails on ``cuInit: CUDA_ERROR_NO_DEVICE`` instead), so *every* JAX
 program in the environment printed a traceback at start-up. Installed with pip into
 site-packages, the plugin cannot be hidden from that discovery.
 
-What we do: ``python -m concerto_jax.target.cuda_plugin install`` puts the plugin
+What we do: ``python -m concerto_jax.deviceless.cuda_plugin install`` puts the plugin
 wheels (``jax-cuda13-pjrt``, ``jax-cuda13-plugin`` at the jax version) into a private
 directory (``pip install --target``), outside ``sys.path``; ``ensure_registered()``
 (called by the deviceless compile only) imports it from there and runs its
@@ -151,7 +151,7 @@ def _register_library_calls() -> None:
 
 
 def main(argv=None) -> int:
-    """``python -m concerto_jax.target.cuda_plugin install [--target DIR]``."""
+    """``python -m concerto_jax.deviceless.cuda_plugin install [--target DIR]``."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("command", choices=["install", "where"])
     ap.add_argument("--target", default=None, help="directory (default: plugin_dir())")
