@@ -153,7 +153,7 @@ XLA's scheduler keeps its overlap windows."""
 
 GPU_ROUTE_PASSES: tuple[str, ...] = ("decompose", "schedule")
 """The passes ``optimize`` is meant to run by default on GPUs, on the GPU route
-(``concerto_jax.gpu_executor``: our order of XLA's own scheduled module, compiled by XLA's
+(``concerto_jax.gpu_route``: our order of XLA's own scheduled module, compiled by XLA's
 backend only and loaded behind the step's header), with the first-step check on (the default
 ``check_first_step="auto"``: wherever a copy of the inputs fits; ``decompose`` only runs where
 the check does). Turn them on with ``Options(passes=GPU_ROUTE_PASSES)``."""

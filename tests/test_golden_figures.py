@@ -259,7 +259,7 @@ def _target_result(res) -> dict:
 def deviceless_figures() -> dict:
     import concerto_jax
     from concerto_jax.costmodel import get_cluster
-    from concerto_jax.gpu_executor import compile_deviceless
+    from concerto_jax.gpu_route import compile_deviceless
 
     step, args = _mlp()
     out = {}

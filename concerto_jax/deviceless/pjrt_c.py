@@ -408,7 +408,7 @@ def compile_and_serialize(text: str, topology_source, compile_options: bytes, *,
     Args:
       text: HLO text (a scheduled module with ``backend_only``).
       topology_source: anything with ``topology_name``, ``topology`` and ``target_config_text()``
-        (a ``Cluster``, or the real devices' ``gpu_executor.DeviceTarget``).
+        (a ``Cluster``, or the real devices' ``gpu_route.DeviceTarget``).
       compile_options: serialized ``CompileOptions``.
       backend_only: set ``run_backend_only``.
 

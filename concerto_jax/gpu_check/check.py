@@ -1,40 +1,5 @@
-"""``python -m concerto_jax.gpu_check --out DIR``: the GPU route checked on the machine at hand.
-
-One prepared command for a GPU machine (at most ``--budget-s``, 480 s by default, with that
-machine's own JAX), that also runs on a CPU machine, where it does the deviceless half and says
-what it skipped. Every check is a row of ``DIR/checks.csv`` and ``DIR/checks.md`` (status
-``pass``, ``FAIL`` or ``skipped: why``); the command exits non-zero on any ``FAIL``.
-
-CPU half (any machine with the CUDA plugin; ``JAX_PLATFORMS=cpu``, 8 CPU devices):
-
-* ``deviceless/<case>``: the route's compile stages for a suite case without a GPU
-  (``gpu_executor.compile_deviceless``): stock compile, our order of XLA's scheduled module,
-  backend-only compile, ``PJRT_Executable_Serialize``; the bytes are the plugin's framing, the
-  backend kept our order, and the load's checks accept them for that target only.
-* ``rehearsal/*``: the JAX side of the load with CPU executables (``gpu_executor.CpuRehearsal``):
-  3 steps bitwise equal with donation, host callbacks, the step's device assignment put back.
-* ``negative/*``: raw bytes without a header, another device count, another compute
-  capability: a clear error before the runtime sees the bytes, and a fallback.
-
-GPU half (``jax.default_backend() == "gpu"``, one GPU):
-
-* ``a/<step>``: the full route (``optimize``) on 1-device GPT-block train steps with AdamW
-  (f32, bf16, one with a host callback, one with donation): 3 steps bitwise equal to plain
-  ``jax.jit`` on the same GPU, the route used (no fallback), our entry order present in the
-  loaded executable's module; plus a deliberately different legal order (``perturbed``) that
-  must survive too.
-* ``b/*``: the negative cases on the real client (each in a subprocess, so that an abort is a
-  FAIL, not the end of the run).
-* ``c/<case>``: kernel calibration. Per suite case, XLA's scheduled module of stock and of ours
-  (prepared here or on a CPU machine with ``--prepare``), every collective replaced by a local
-  stand-in of the same output shape (``standin_collectives``: no communication), compiled
-  backend-only for the single GPU, run and timed per kernel with the profiler: per kernel class,
-  the cost model's error; per case, the compute-only step time of ours vs stock, measured
-  against predicted (the extra compute our decomposition adds). Rows in ``DIR/kernels.csv``,
-  ``DIR/calibration.csv`` and ``.md``; the raw profiles under ``DIR/profile``.
-
-Progress goes through logging (``--log-level``).
-"""
+"""The checks of ``python -m concerto_jax.gpu_check`` (the package docstring lists them), their
+reports, and ``main``."""
 
 from __future__ import annotations
 
@@ -51,6 +16,9 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
+
+from concerto_jax import jax_compat
+from concerto_jax.gpu_route import route
 
 log = logging.getLogger("concerto_jax.gpu_check")
 
@@ -138,7 +106,6 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
 def _environment_line() -> str:
     import jax
 
-    from concerto_jax import jax_compat
 
     devs = jax.devices()
     kinds = sorted({jax_compat.gpu_device_facts(d)["device_kind"] for d in devs})
@@ -362,13 +329,12 @@ def suite_options(case, passes: Sequence[str], fast: bool):
 
 
 def deviceless_case(case, passes: Sequence[str], fast: bool = True):
-    """``gpu_executor.compile_deviceless`` of a suite case."""
+    """``route.compile_deviceless`` of a suite case."""
     from bench.baseline import model_case
-    from concerto_jax import gpu_executor
     from concerto_jax.costmodel import get_cluster
 
     mcase, _, _ = model_case(case)
-    return gpu_executor.compile_deviceless(mcase.step, (mcase.abstract_state, mcase.abstract_batch),
+    return route.compile_deviceless(mcase.step, (mcase.abstract_state, mcase.abstract_batch),
                                            get_cluster(case.cluster), suite_options(case, passes, fast))
 
 
@@ -376,24 +342,23 @@ def check_deviceless(d, case) -> str:
     """Assert what the deviceless half must give; returns the row's detail."""
     import types
 
-    from concerto_jax import gpu_executor
     from concerto_jax.deviceless.pjrt_c import RIEGELI_SIGNATURE
 
     p = d.payload
     assert p.data.startswith(RIEGELI_SIGNATURE), f"payload starts {p.data[:8].hex()}, not Riegeli"
     assert b"PjRtStreamExecutorClient" in p.data, "no PJRT client name in the payload"
-    kept = gpu_executor.order_kept(d.plan.handed, p.final_text)
+    kept = route.order_kept(d.plan.handed, p.final_text)
     assert kept["kept"], f"XLA's backend moved our order: {kept}"
     fake = [types.SimpleNamespace(id=i, device_kind="x", compute_capability=p.compute_capability,
                                   core_count=None, process_index=0) for i in range(p.num_devices)]
-    gpu_executor.check_payload(p, fake, p.num_devices)
+    route.check_payload(p, fake, p.num_devices)
     other = "7.0" if p.compute_capability != "7.0" else "8.0"
     for bad, n in (([types.SimpleNamespace(**{**vars(f), "compute_capability": other}) for f in fake],
                     p.num_devices),
                    (fake[:-1], p.num_devices - 1)):
         try:
-            gpu_executor.check_payload(p, bad, n)
-        except gpu_executor.LoadRefused:
+            route.check_payload(p, bad, n)
+        except route.LoadRefused:
             continue
         raise AssertionError("the load's checks accepted a payload for other devices")
     changed = [r.name for r in d.plan.passes if r.changed]
@@ -407,7 +372,6 @@ def rehearsal_checks(run: Run) -> None:
     import jax
 
     import concerto_jax
-    from concerto_jax import gpu_executor
 
     if len(jax.devices("cpu")) < 8:
         for name in ("rehearsal/steps", "rehearsal/callbacks", "rehearsal/device_order", "negative/cpu"):
@@ -417,7 +381,7 @@ def rehearsal_checks(run: Run) -> None:
     opts = concerto_jax.Options(passes=("schedule",))
 
     def steps() -> str:
-        with gpu_executor.rehearse():
+        with route.rehearse():
             opt = concerto_jax.optimize(step, opts)
             p_ref, x = make_args(0)
             p_opt, _ = make_args(0)
@@ -443,7 +407,7 @@ def rehearsal_checks(run: Run) -> None:
             jax.debug.callback(lambda t: seen.append(float(t)), v)
             return new, v
 
-        with gpu_executor.rehearse():
+        with route.rehearse():
             opt = concerto_jax.optimize(cb_step, opts)
             p, x = make_args(1)
             got = opt(p, x)
@@ -456,14 +420,14 @@ def rehearsal_checks(run: Run) -> None:
 
     def device_order() -> str:
         rstep, rmake, _ = _mlp(jax.devices("cpu")[:8][::-1])
-        built = gpu_executor.build(rstep, rmake(0), {}, opts, gpu_executor.CpuRehearsal())
+        built = route.build(rstep, rmake(0), {}, opts, route.CpuRehearsal())
         assert not _bitwise_diff(built.compiled(*rmake(2)), rstep(*rmake(2)))
         return "devices in reverse order: the load's options put the step's assignment back"
 
     run.check("rehearsal/steps", steps)
     run.check("rehearsal/callbacks", callbacks)
     run.check("rehearsal/device_order", device_order)
-    run.check("negative/cpu", lambda: negative_checks(step, make_args, opts, gpu_executor.CpuRehearsal))
+    run.check("negative/cpu", lambda: negative_checks(step, make_args, opts, route.CpuRehearsal))
 
 
 def _mlp(devices):
@@ -505,11 +469,10 @@ def negative_checks(step, make_args, opts, backend_cls) -> str:
     import warnings
 
     import concerto_jax
-    from concerto_jax import gpu_executor, jax_compat
     from concerto_jax.deviceless.pjrt_c import RIEGELI_SIGNATURE
 
     args = make_args(0)
-    built = gpu_executor.build(step, args, {}, opts, backend_cls())
+    built = route.build(step, args, {}, opts, backend_cls())
     devices = built.stock.device_list
     try:
         jax_compat.deserialize(built.payload.data, devices)
@@ -537,8 +500,8 @@ def negative_checks(step, make_args, opts, backend_cls) -> str:
             opt = concerto_jax.optimize(step, opts)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                if backend_cls is gpu_executor.CpuRehearsal:
-                    with gpu_executor.rehearse():
+                if backend_cls is route.CpuRehearsal:
+                    with route.rehearse():
                         got = opt(*make_args(4))
                 else:
                     got = opt(*make_args(4))
@@ -642,7 +605,6 @@ def route_check(name: str, step, case, passes: Sequence[str], seen: list | None 
     import jax
 
     import concerto_jax
-    from concerto_jax import gpu_executor, jax_compat
 
     opt = concerto_jax.optimize(step, concerto_jax.Options(passes=tuple(passes), check_first_step=True))
     batch = case.batch
@@ -672,7 +634,7 @@ def route_check(name: str, step, case, passes: Sequence[str], seen: list | None 
         assert len(seen) - n_seen == 6, f"the callback fired {len(seen) - n_seen} times in 6 steps"
     entry = opt._cache[opt._last_key]
     loaded_text = jax_compat.executable_text(jax_compat.xla_executable(entry.runner))
-    kept = gpu_executor.order_kept(entry.emitted, loaded_text)
+    kept = route.order_kept(entry.emitted, loaded_text)
     # (XLA:CPU reorders what it compiles: only a GPU backend keeps the handed order)
     assert kept["kept"] or backend != "gpu", f"the loaded executable does not run our order: {kept}"
     sched = next((p for p in rep.passes if p.name == "schedule"), None)
@@ -685,22 +647,21 @@ def perturbed_check(step, case) -> str:
     """Item a with a deliberately different legal order: it must be the loaded module's and the
     results must stay bitwise equal."""
     import concerto_jax
-    from concerto_jax import gpu_executor, jax_compat
 
-    class Perturbed(gpu_executor.GpuBackend):
+    class Perturbed(route.GpuBackend):
         def plan(self, stock, options):
             p = super().plan(stock, options)
             text = perturbed_order(p.handed)
-            return gpu_executor.Plan(text, p.replicated, p.passes, gpu_executor._sha(text))
+            return route.Plan(text, p.replicated, p.passes, route._sha(text))
 
     opts = concerto_jax.Options(passes=())
-    built = gpu_executor.build(step, (case.init_state(0), case.batch), {}, opts, Perturbed())
-    xla_order = gpu_executor.entry_order(built.stock.scheduled)
-    ours = gpu_executor.entry_order(built.plan.handed)
+    built = route.build(step, (case.init_state(0), case.batch), {}, opts, Perturbed())
+    xla_order = route.entry_order(built.stock.scheduled)
+    ours = route.entry_order(built.plan.handed)
     if ours == xla_order:
         raise _Skip("the entry has a single legal order")
     loaded = jax_compat.executable_text(jax_compat.xla_executable(built.compiled))
-    kept = gpu_executor.order_kept(built.plan.handed, loaded)
+    kept = route.order_kept(built.plan.handed, loaded)
     assert kept["kept"], f"the loaded executable does not run the handed order: {kept}"
     s_ref, s_opt = case.init_state(0), case.init_state(0)
     for k in range(3):
@@ -734,10 +695,9 @@ try:
     from importlib import resources
     import jax, jax.numpy as jnp
     import concerto_jax
-    from concerto_jax import gpu_executor, jax_compat
     f = jax.jit(lambda x: jnp.tanh(x @ x))
-    built = gpu_executor.build(f, (jnp.ones((64, 64)),), {}, concerto_jax.Options(passes=()),
-                               gpu_executor.GpuBackend())
+    built = route.build(f, (jnp.ones((64, 64)),), {}, concerto_jax.Options(passes=()),
+                               route.GpuBackend())
     dev = built.stock.device_list
     client = dev[0].client
     header = jax_compat.step_header(jax_compat.xla_executable(built.stock.compiled))
@@ -755,11 +715,11 @@ except Exception as e:
 
 _PROBE_COMPUTE_CAPABILITY = _PROBE_SETUP + r'''
 try:
-    t = gpu_executor.device_target(dev)
+    t = route.device_target(dev)
     other = "a100_sxm_80.txtpb" if t.compute_capability != "8.0" else "h100_sxm.txtpb"
     text = resources.files("concerto_jax").joinpath("gpu_configs", other).read_text()
-    bad = dataclasses.replace(t, config_text=text, compute_capability=gpu_executor.config_compute_capability(text))
-    p = gpu_executor.compile_payload(built.plan.handed, bad, 1, replicated=False)
+    bad = dataclasses.replace(t, config_text=text, compute_capability=route.config_compute_capability(text))
+    p = route.compile_payload(built.plan.handed, bad, 1, replicated=False)
 except Exception as e:
     print("SETUP FAILED", type(e).__name__, str(e).splitlines()[0][:200]); raise SystemExit(0)
 try:
@@ -776,7 +736,6 @@ def gpu_negative_checks(run: Run) -> None:
     import jax.numpy as jnp
 
     import concerto_jax
-    from concerto_jax import gpu_executor
 
     f = jax.jit(lambda x, y: (jnp.tanh(x @ y), x.sum()))
 
@@ -785,37 +744,37 @@ def gpu_negative_checks(run: Run) -> None:
         return jax.random.normal(k1, (128, 128)), jax.random.normal(k2, (128, 128))
 
     run.check("b/through_optimize", lambda: negative_checks(
-        f, make_args, concerto_jax.Options(passes=("schedule",)), gpu_executor.GpuBackend), needs_s=30)
+        f, make_args, concerto_jax.Options(passes=("schedule",)), route.GpuBackend), needs_s=30)
 
     def two_devices() -> str:  # a payload for 2 GPUs of this kind, refused on 1
         dev = jax.devices()[0]
-        built = gpu_executor.build(f, make_args(0), {}, concerto_jax.Options(passes=()), gpu_executor.GpuBackend())
-        t = dataclasses.replace(gpu_executor.device_target([dev]), num_devices=2, topology="1x1x2")
+        built = route.build(f, make_args(0), {}, concerto_jax.Options(passes=()), route.GpuBackend())
+        t = dataclasses.replace(route.device_target([dev]), num_devices=2, topology="1x1x2")
         try:
-            p = gpu_executor.compile_payload(built.plan.handed, t, 2, replicated=True)
+            p = route.compile_payload(built.plan.handed, t, 2, replicated=True)
         except Exception as e:  # noqa: BLE001
             raise _Skip(f"no 2-device payload of this module: {type(e).__name__}") from e
         try:
-            gpu_executor.load_payload(built.stock.compiled, p)
-        except gpu_executor.LoadRefused as e:
+            route.load_payload(built.stock.compiled, p)
+        except route.LoadRefused as e:
             return f"refused: {e}"[:200]
         raise AssertionError("a 2-device payload was loaded on 1 device")
 
     run.check("b/device_count", two_devices, needs_s=20)
     def compute_capability() -> str:  # our check refuses an executable built for another GPU
         dev = jax.devices()[0]
-        t = gpu_executor.device_target([dev])
+        t = route.device_target([dev])
         other = "a100_sxm_80.txtpb" if t.compute_capability != "8.0" else "h100_sxm.txtpb"
         from importlib import resources
 
         text = resources.files("concerto_jax").joinpath("gpu_configs", other).read_text()
         bad = dataclasses.replace(t, config_text=text,
-                                  compute_capability=gpu_executor.config_compute_capability(text))
-        built = gpu_executor.build(f, make_args(0), {}, concerto_jax.Options(passes=()), gpu_executor.GpuBackend())
-        p = gpu_executor.compile_payload(built.plan.handed, bad, 1, replicated=False)
+                                  compute_capability=route.config_compute_capability(text))
+        built = route.build(f, make_args(0), {}, concerto_jax.Options(passes=()), route.GpuBackend())
+        p = route.compile_payload(built.plan.handed, bad, 1, replicated=False)
         try:
-            gpu_executor.load_payload(built.stock.compiled, p)
-        except gpu_executor.LoadRefused as e:
+            route.load_payload(built.stock.compiled, p)
+        except route.LoadRefused as e:
             return f"refused: {e}"[:200]
         raise AssertionError("an executable for another compute capability was loaded")
 
@@ -882,12 +841,11 @@ def validate_prepared(prepared_dir: str, run: Run, kind: str = "NVIDIA H100 80GB
     calibration's options) and cost its final module: what item c does before it runs them."""
     import types
 
-    from concerto_jax import gpu_executor
     from concerto_jax.costmodel import CostModel, get_cluster
 
     device = types.SimpleNamespace(id=0, device_kind=kind, compute_capability="9.0", core_count=None,
                                    process_index=0)
-    target = gpu_executor.device_target([device])
+    target = route.device_target([device])
     for meta_file in sorted(f for f in os.listdir(prepared_dir) if f.endswith(".json")):
         name = meta_file[:-5]
 
@@ -898,10 +856,10 @@ def validate_prepared(prepared_dir: str, run: Run, kind: str = "NVIDIA H100 80GB
             for program in ("stock", "ours"):
                 with gzip.open(os.path.join(prepared_dir, f"{name}.{program}.hlo.gz"), "rt") as f:
                     text, _ = standin_collectives(f.read())
-                p = gpu_executor.compile_payload(text, target, 1, replicated=False,
+                p = route.compile_payload(text, target, 1, replicated=False,
                                                  env={"xla_gpu_enable_command_buffer": ""})
                 pred, _, step_us = _predictions(p.final_text, CostModel(get_cluster(meta["cluster"])))
-                params, results = _split_layout(gpu_executor.jax_compat.entry_layout_of_text(p.final_text))
+                params, results = _split_layout(route.jax_compat.entry_layout_of_text(p.final_text))
                 words.append(f"{program}: {len(pred)} kernels, {step_us:.0f} us predicted, "
                              f"{len(params)} params -> {len(results)} results")
             return "; ".join(words)
@@ -1027,12 +985,11 @@ def calibrate_case(prepared_dir: str, case_name: str, out_dir: str, iters: int =
     """Item c for one prepared case on the first GPU: (kernel rows, calibration rows)."""
     import jax
 
-    from concerto_jax import gpu_executor, jax_compat
     from concerto_jax.costmodel import CostModel, get_cluster
     from concerto_jax.costmodel.specs import gpu_spec_from_target_config
 
     device = jax.devices()[0]
-    target = gpu_executor.device_target([device])
+    target = route.device_target([device])
     with open(os.path.join(prepared_dir, f"{case_name}.json")) as f:
         meta = json.load(f)
     cluster = get_cluster(meta["cluster"])
@@ -1043,17 +1000,17 @@ def calibrate_case(prepared_dir: str, case_name: str, out_dir: str, iters: int =
         with gzip.open(os.path.join(prepared_dir, f"{case_name}.{program}.hlo.gz"), "rt") as f:
             text, _ = standin_collectives(f.read())
         try:
-            payload = gpu_executor.compile_payload(text, target, 1, replicated=False, env=env)
+            payload = route.compile_payload(text, target, 1, replicated=False, env=env)
         except Exception as e:  # noqa: BLE001 - the option refused: command buffers stay on
             log.warning("%s %s: compile with %s failed (%s); compiling with XLA's defaults", case_name,
                         program, env, str(e).splitlines()[0][:200])
             env = {}
-            payload = gpu_executor.compile_payload(text, target, 1, replicated=False)
+            payload = route.compile_payload(text, target, 1, replicated=False)
         layout = jax_compat.entry_layout_of_text(payload.final_text)
         dummy, make_inputs = _dummy_step(layout, device)
         if jax_compat.entry_layout(jax_compat.xla_executable(dummy)) != layout:
             raise RuntimeError(f"{program}: the stand-in's entry layout is not the default one")
-        loaded = gpu_executor.load_payload(dummy, payload, env=env)
+        loaded = route.load_payload(dummy, payload, env=env)
         run = jax_compat.swapped_step(dummy, loaded, assemble_outputs=False)
         inputs = make_inputs()
         jax.block_until_ready(run(*inputs))
@@ -1101,7 +1058,6 @@ def kernel_times(profile_dir: str, runs: int) -> dict[str, tuple[float, int]]:
     in a profile (the kernel's ``hlo_op`` stat, else its name)."""
     import glob
 
-    from concerto_jax import jax_compat
 
     paths = glob.glob(os.path.join(profile_dir, "**", "*.xplane.pb"), recursive=True)
     if not paths:
@@ -1142,11 +1098,10 @@ def class_errors(kernels: Sequence[dict]) -> list[dict]:
 def gpu_half(run: Run, prepared: str | None, cases: Sequence, passes: Sequence[str]) -> str:
     import jax
 
-    from concerto_jax import gpu_executor
 
     device = jax.devices()[0]
     run.check("target_config", lambda: json.dumps(dataclasses.asdict(dataclasses.replace(
-        gpu_executor.device_target([device]), config_text="..."))))
+        route.device_target([device]), config_text="..."))))
     steps, seen = gpt_steps([device])
     for name, (step, case) in steps.items():
         run.check(f"a/{name}", lambda step=step, case=case, name=name: route_check(
@@ -1271,6 +1226,3 @@ def _verdict(run: Run) -> int:
              os.path.join(run.out, "checks.md"))
     return 1 if failed else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
