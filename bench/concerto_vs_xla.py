@@ -239,10 +239,10 @@ def compare(before_text: str | None, final_text: str, cost_model, options: Conce
     # Memory limit (default: XLA's own order's peak under the scheduler's memory model), the
     # same for both starting orders, so the pre-LHS start cannot bring its own higher peak.
     from concerto_jax.scheduler import peak_memory as sched_peak
-    from concerto_jax.scheduler import simulate as sched_simulate
+    from concerto_jax.simulator import timeline
 
     def model_peak(events) -> int:
-        tl = sched_simulate(g, list(events))
+        tl = timeline(g, list(events))
         return sched_peak(g, tl.start, tl.end)
 
     xla_model_peak = model_peak(xla_events)

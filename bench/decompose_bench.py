@@ -314,11 +314,12 @@ def entry_peak_bytes(text: str, cost_model) -> int:
     scheduler's memory model: ``checker.peak_memory`` of the full-speed timeline)."""
     import hlo_passes
     from concerto_jax.hlo_taskgraph import build_taskgraph
-    from concerto_jax.scheduler import peak_memory, simulate
+    from concerto_jax.scheduler import peak_memory
+    from concerto_jax.simulator import timeline
 
     module = hlo_passes.parse_module(text)
     hg = build_taskgraph(module, cost_model, fold_aliases=False, computation=module.entry)
-    tl = simulate(hg.graph, hg.events)
+    tl = timeline(hg.graph, hg.events)
     return peak_memory(hg.graph, tl.start, tl.end)
 
 

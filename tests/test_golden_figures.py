@@ -153,7 +153,7 @@ def judge_figures() -> dict:
 def scheduler_figures() -> dict:
     from concerto_jax import scheduler
     from concerto_jax.hlo_taskgraph import build_taskgraph
-    from concerto_jax.scheduler.evaluate import evaluate
+    from concerto_jax.simulator import makespan
     from hlo_passes import parse_module
 
     cm = _cost_model()
@@ -170,7 +170,7 @@ def scheduler_figures() -> dict:
                 "makespan_us": r.makespan_us, "lower_bound_us": r.lower_bound_us,
                 "input_makespan_us": r.input_makespan_us, "source": r.source,
                 "peak_memory_bytes": r.peak_memory_bytes, "input_peak_memory_bytes": r.input_peak_memory_bytes,
-                "memory_limit_bytes": r.memory_limit_bytes, "program_order_us": evaluate(hg.graph, hg.events)}
+                "memory_limit_bytes": r.memory_limit_bytes, "program_order_us": makespan(hg.graph, hg.events)}
     return out
 
 

@@ -15,7 +15,7 @@ from concerto_jax.capture import capture
 from concerto_jax.costmodel import CostModel, get_cluster
 from concerto_jax.hlo_taskgraph import build_taskgraph, loops_of
 from concerto_jax.options import Options
-from concerto_jax.scheduler.evaluate import evaluate
+from concerto_jax.simulator import makespan, timeline
 from hlo_passes.ir.loops import analyze_while, schedulable_computations
 from hlo_passes.registry import PASSES
 from tests._helpers import assert_tree_bitwise
@@ -152,7 +152,7 @@ def test_while_costs_trips_times_body():
     assert stats["collectives"] == 1 and stats["computations"] == 3
     # The entry is the while alone (+ free ops): 3 x (body + cond) + cond.
     cm = CostModel(get_cluster("h100_sxm_8"))
-    body = evaluate(build_taskgraph(module, cm, computation="body").graph,
+    body = makespan(build_taskgraph(module, cm, computation="body").graph,
                     build_taskgraph(module, cm, computation="body").events)
     assert stats["program_order_us"] >= 3 * body - 1e-6
     assert stats["program_order_us"] < 4 * body + 10
@@ -244,7 +244,6 @@ def test_remat_work_in_backward_body_is_costed_and_used(monkeypatch):
     with it at the deterministic limit, both within the body's memory limit: jax 0.12)."""
     from concerto_jax.passes import schedule_pass
     from concerto_jax.scheduler import ScheduleOptions
-    from concerto_jax.scheduler.evaluate import simulate
 
     step, params, x = _scan_step(4, fsdp=True)
     module = hlo_passes.parse_module(capture(step, (params, x)).hlo_text)
@@ -277,7 +276,7 @@ def test_remat_work_in_backward_body_is_costed_and_used(monkeypatch):
     order = schedule_pass.order_from_events(hg, plan.events, [module.computation(bwd).instruction(n)
                                                                for n in before])
     assert [i.name for i in body.instructions] == [i.name for i in order]
-    tl = simulate(graph, plan.events)
+    tl = timeline(graph, plan.events)
     tasks = graph.tasks
     colls = [i for i, t in enumerate(tasks) if t.is_collective and t.duration_us > 0]
     recomputed = [i for i, t in enumerate(tasks) if t.name in remat and not t.is_collective
@@ -326,4 +325,4 @@ def test_conditional_branches_are_scheduled():
     # The entry's only task is the conditional: it costs its longer branch.
     cm = CostModel(get_cluster("h100_sxm_8"))
     yes = build_taskgraph(module, cm, computation="yes")
-    assert stats["program_order_us"] >= evaluate(yes.graph, yes.events) - 0.05  # stats are rounded
+    assert stats["program_order_us"] >= makespan(yes.graph, yes.events) - 0.05  # stats are rounded

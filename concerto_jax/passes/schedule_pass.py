@@ -42,7 +42,7 @@ from concerto_jax.hlo_taskgraph import (
     loops_of,
     with_durations,
 )
-from concerto_jax.scheduler.evaluate import evaluate, lower_bound
+from concerto_jax.simulator import lower_bounds, makespan
 from concerto_jax.taskgraph import Event, Phase
 from hlo_passes.ir.loops import control_flow_depths, schedulable_computations, side_effects
 from hlo_passes.options import PassOptions
@@ -160,15 +160,15 @@ def schedule_computation(module, comp, cost_model: CostModel, options, times: di
     hg = build_taskgraph(module, cost_model, fold_aliases=False, computation=comp,
                          nested_us=nested["scheduled"], loop=loop)
     program_graph = with_durations(hg, nested["program"])
-    program_us = evaluate(program_graph, hg.events)
-    bound_us = lower_bound(with_durations(hg, nested["bound"]))
+    program_us = makespan(program_graph, hg.events)
+    bound_us = lower_bounds(with_durations(hg, nested["bound"])).bound_us
     effects = side_effects(comp)
     skipped, source, solver_s = "", "kept", 0.0
     memory: dict = {}
     if effects:
         skipped = f"side effects ({', '.join('%' + i.name for i in effects[:3])})"
         problems.append(f"computation %{comp.name} keeps its order: {skipped}")
-        scheduled_us, changed = evaluate(hg.graph, hg.events), False
+        scheduled_us, changed = makespan(hg.graph, hg.events), False
     else:
         sched_opts = options.scheduler
         if sched_opts.memory_budget_bytes is not None:

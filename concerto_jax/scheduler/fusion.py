@@ -22,9 +22,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from concerto_jax.scheduler.evaluate import simulate
 from concerto_jax.scheduler.heuristics import list_schedule
 from concerto_jax.scheduler.progress import Progress
+from concerto_jax.simulator.timeline import timeline
 from concerto_jax.taskgraph import CollectiveInfo, Event, Task, TaskGraph
 
 logger = logging.getLogger(__name__)
@@ -156,8 +156,8 @@ def fuse_collectives(
     """
     t0 = time.perf_counter()
     base_events = list_schedule(graph) if events is None else list(events)
-    tl = simulate(graph, base_events)
-    before = simulate(graph, list_schedule(graph)).makespan
+    tl = timeline(graph, base_events)
+    before = timeline(graph, list_schedule(graph)).makespan
     colls = sorted((i for i, t in enumerate(graph.tasks) if t.is_collective),
                    key=lambda i: (tl.start[i], i))
     buckets: list[list[int]] = []
@@ -177,7 +177,7 @@ def fuse_collectives(
                 trial = [list(x) for x in buckets]
                 trial[b].append(c)
                 cand, _, cand_index = build_fused_graph(graph, trial, cost_fn)
-                makespan = simulate(cand, list_schedule(cand)).makespan
+                makespan = timeline(cand, list_schedule(cand)).makespan
                 evaluations += 1
                 if makespan <= best + 1e-9:
                     buckets, current, best, new_index = trial, cand, makespan, cand_index

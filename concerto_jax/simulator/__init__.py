@@ -4,6 +4,11 @@ Pipeline: TaskGraph + schedule -> ``simulate`` -> ``SimResult`` (step time,
 exposed communication, overlap, utilisation, peak memory, per-task timings)
 -> ``write_chrome_trace`` / ``write_gantt``. ``lower_bounds`` gives what no
 schedule can beat. Semantics: ``concerto_jax.taskgraph`` and ``engine``.
+
+Two models, each with its own arithmetic: ``simulate`` (``engine.py``) slows compute while a
+collective is in flight (the replay every figure of a step comes from); ``timeline`` /
+``makespan`` (``timeline.py``) run every task at full speed (the scheduler's objective, in its
+inner loops; ``IncrementalTimeline`` re-times a window of an order).
 """
 
 from concerto_jax.simulator.bounds import LowerBounds, critical_path, lower_bounds
@@ -15,10 +20,12 @@ from concerto_jax.simulator.engine import (
     simulate_synchronous,
 )
 from concerto_jax.simulator.result import SimResult, TaskTiming
+from concerto_jax.simulator.timeline import IncrementalTimeline, Timeline, makespan, tails, timeline
 from concerto_jax.simulator.trace import chrome_trace, write_chrome_trace, write_gantt
 
 __all__ = [
-    "DEFAULT_OVERLAP_SLOWDOWN", "LowerBounds", "SimOptions", "SimResult", "TaskTiming",
-    "chrome_trace", "critical_path", "lower_bounds", "order_of", "simulate", "simulate_synchronous",
-    "write_chrome_trace", "write_gantt",
+    "DEFAULT_OVERLAP_SLOWDOWN", "IncrementalTimeline", "LowerBounds", "SimOptions", "SimResult",
+    "TaskTiming", "Timeline", "chrome_trace", "critical_path", "lower_bounds", "makespan",
+    "order_of", "simulate", "simulate_synchronous", "tails", "timeline", "write_chrome_trace",
+    "write_gantt",
 ]

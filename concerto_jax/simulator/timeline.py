@@ -1,4 +1,8 @@
-"""Exact list-scheduling evaluator of an event order (the makespan a schedule achieves).
+"""The full-speed timeline of an event order: the scheduler's model and objective.
+
+Every task runs at its full duration (no slowdown while collectives are in flight: that is
+``simulate``'s interference replay, ``engine.py``). The scheduler judges every candidate
+order by ``makespan`` here, in its inner loops.
 
 Semantics (identical to the ``concerto_jax.taskgraph`` module docstring). Events are
 issued in order; the compute stream keeps a clock ``t`` (when it is next free):
@@ -20,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from concerto_jax.taskgraph import COMPUTE_STREAM, Event, Phase, TaskGraph
+from concerto_jax.taskgraph import Event, Phase, TaskGraph
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +36,7 @@ class Timeline:
     makespan: float
 
 
-def simulate(graph: TaskGraph, events: Sequence[Event], check: bool = False) -> Timeline:
+def timeline(graph: TaskGraph, events: Sequence[Event], check: bool = False) -> Timeline:
     """Time every task of ``events`` under the semantics of the module docstring.
 
     Args:
@@ -80,36 +84,12 @@ def simulate(graph: TaskGraph, events: Sequence[Event], check: bool = False) -> 
     return Timeline(tuple(start), tuple(end), makespan)
 
 
-def evaluate(graph: TaskGraph, events: Sequence[Event]) -> float:
+def makespan(graph: TaskGraph, events: Sequence[Event]) -> float:
     """Makespan (µs) of ``events`` under the semantics of the module docstring.
 
     References: Concerto (ASPLOS'25) §4.3.
     """
-    return simulate(graph, events).makespan
-
-
-def lower_bound(graph: TaskGraph) -> float:
-    """``max(sum of compute, sum of comm per stream, critical path)`` in µs.
-
-    A valid bound for any schedule: each stream runs its tasks one at a time, and the
-    tasks of a dependency chain run one after the other.
-    """
-    per_stream: dict[int, float] = {COMPUTE_STREAM: 0.0}
-    for t in graph.tasks:
-        per_stream[t.stream] = per_stream.get(t.stream, 0.0) + t.duration_us
-    return max(max(per_stream.values()), critical_path(graph))
-
-
-def critical_path(graph: TaskGraph) -> float:
-    """Length (µs) of the longest dependency chain, durations included."""
-    finish = [0.0] * len(graph)
-    for i in graph.topological_order():
-        r = 0.0
-        for p in graph.preds[i]:
-            if finish[p] > r:
-                r = finish[p]
-        finish[i] = r + graph.tasks[i].duration_us
-    return max(finish, default=0.0)
+    return timeline(graph, events).makespan
 
 
 def tails(graph: TaskGraph) -> list[float]:
@@ -134,7 +114,7 @@ class IncrementalTimeline:
     stops as soon as the state matches the old run again: same compute clock, same
     stream free times, and no task whose end changed is read at or after that point.
     Events before ``p`` are untouched, so the result is exact: the same timeline as
-    ``simulate`` on the new order (``check`` in tests). The change is kept only if the
+    ``timeline`` on the new order (``check`` in tests). The change is kept only if the
     whole-graph makespan does not exceed ``max_makespan``; otherwise nothing changes.
 
     Cost per call: O(w + m) for a window of w events and m later events whose times
