@@ -55,7 +55,7 @@ import time
 from collections.abc import Sequence
 
 from bench import concerto_report, suite
-from concerto_jax.xla_order import MappedOrder, map_order, order_by_priority
+from concerto_jax.judge import MappedOrder, map_order, order_by_priority
 
 log = logging.getLogger(__name__)
 

@@ -135,7 +135,7 @@ def _stock_compile(c, cluster, xla: dict, windowed_einsum_mib: float | None = No
     judged as ``compile_for_target`` judges its stock column (one XLA compile, no passes)."""
     from concerto_jax.costmodel import CostModel
     from concerto_jax.deviceless.compile import CompileOptions, compile_lowered, lower_for_target
-    from concerto_jax.deviceless.fidelity import measure
+    from concerto_jax.judge import measure
 
     lowered = lower_for_target(c.step.trace(c.abstract_state, c.abstract_batch))
     tc = compile_lowered(lowered, cluster, CompileOptions(

@@ -55,7 +55,7 @@ import tempfile
 import time
 
 from bench.suite import BenchCase
-from concerto_jax.deviceless.fidelity import judge_module, overlap_kept
+from concerto_jax.judge import judge_module, overlap_kept
 
 log = logging.getLogger(__name__)
 

@@ -106,7 +106,7 @@ class Options:
     # record says which, with both peaks). "input": never above the peak of XLA's order
     # (Options.scheduler's limit alone). With "xla" and control flow, each computation
     # plans within its share of the budget (entry 1/2, a loop body 1/4, nested 1/8, ...:
-    # ``passes.schedule_pass.budget_share``), never below its input order's peak.
+    # ``judge.budget_share``), never below its input order's peak.
     memory_budget: str = "xla"
     # Persistent plan cache (concerto_jax.plan_cache): a second compile of the same step (same
     # lowered program, devices or target, plan-changing options, versions) reuses the plan and,

@@ -4,7 +4,7 @@ import pytest
 
 from bench.scanned import computation_orders, order_survival
 from concerto_jax.costmodel import CostModel, get_cluster
-from concerto_jax.deviceless.fidelity import Judged, judge_module, overlap_kept
+from concerto_jax.judge import Judged, judge_module, overlap_kept
 
 _TEXT = """HloModule loops, num_partitions=1
 

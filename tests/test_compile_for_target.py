@@ -124,7 +124,7 @@ def test_arguments_on_this_machines_devices_get_a_clear_error():
 def test_compile_for_target_backend_only_keeps_our_order(tmp_path):
     """Default path: our scheduler orders XLA's after-LHS module and XLA's backend keeps that order."""
     import hlo_passes
-    from concerto_jax.xla_order import scheduling_name
+    from concerto_jax.judge import scheduling_name
 
     step, args = _mlp()
     res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=concerto_jax.Options(
@@ -269,7 +269,7 @@ def test_step_times_count_collectives_inside_loops():
     from jax.sharding import PartitionSpec as P
 
     from concerto_jax.costmodel import CostModel, get_cluster
-    from concerto_jax.deviceless.fidelity import judge_module
+    from concerto_jax.judge import judge_module
 
     mesh = concerto_jax.target_mesh("h100_sxm_8", (8,), ("tp",))
 
@@ -309,7 +309,7 @@ def test_rewrite_guard_keeps_the_faster_of_rewritten_and_plain_plans(monkeypatch
     # compiles the faster one; the decision, the figures and the handed module must agree.
     from concerto_jax.costmodel import CostModel, get_cluster
     from concerto_jax.decompose.options import DecomposeOptions
-    from concerto_jax.deviceless import fidelity
+    from concerto_jax.judge import fidelity
 
     judged_texts = []
     judge = fidelity.judge_module

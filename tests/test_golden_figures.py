@@ -132,8 +132,8 @@ def _gpu_modules():
 
 
 def judge_figures() -> dict:
-    from concerto_jax.deviceless.fidelity import judge_module, measure
     from concerto_jax.deviceless.reschedule import reschedule_text
+    from concerto_jax.judge import judge_module, measure
 
     cm = _cost_model()
     out = {}

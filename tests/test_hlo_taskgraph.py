@@ -230,7 +230,7 @@ def test_async_compute_and_collective_kernel_pairs(text):
 def test_final_order_maps_onto_the_async_start_form():
     """XLA's final module spells the async fusions fusion-start/done where the module its
     scheduler saw has async-start/done: the same instructions, no opcode mismatch."""
-    from concerto_jax.xla_order import map_order
+    from concerto_jax.judge import map_order
 
     cm = CostModel(get_cluster("h100_sxm_8"), OPTS)
     built = build_taskgraph(hlo_passes.parse_module(ASYNC_BEFORE_PIPELINES), cm)

@@ -103,7 +103,7 @@ def test_memory_budget_is_shared_along_the_nesting():
     """A whole-program budget: the entry plans within half, a loop body within a quarter
     (its live bytes come on top of its caller's), never below its own input order's peak;
     a module without control flow gives its entry the whole budget."""
-    from concerto_jax.passes.schedule_pass import budget_share, schedule_computation
+    from concerto_jax.judge import budget_share, plan_computation
     from concerto_jax.scheduler import ScheduleOptions
     from hlo_passes.ir.loops import control_flow_depths
 
@@ -123,11 +123,11 @@ def test_memory_budget_is_shared_along_the_nesting():
     cm = CostModel(get_cluster("h100_sxm_8"))
     times: dict = {"program": {}, "scheduled": {}, "bound": {}}
     opts = Options(passes=("schedule",), scheduler=ScheduleOptions(memory_budget_bytes=budget))
-    limits = {c.name: schedule_computation(module, c, cm, opts, times, []).memory_limit_bytes
+    limits = {c.name: plan_computation(module, c, cm, opts.scheduler, times, []).memory_limit_bytes
               for c in schedulable_computations(module)}
     assert limits == {"cond": budget // 4, "body": budget // 4, "main": budget // 2}
     tiny = Options(passes=("schedule",), scheduler=ScheduleOptions(memory_budget_bytes=8))
-    body = schedule_computation(module, module.computation("body"), cm, tiny, times, [])
+    body = plan_computation(module, module.computation("body"), cm, tiny.scheduler, times, [])
     assert body.memory_limit_bytes == body.input_peak_bytes > 2  # never below the input peak
 
 
@@ -242,7 +242,8 @@ def test_remat_work_in_backward_body_is_costed_and_used(monkeypatch):
     itself). CP-SAT stops at its default deterministic limit, not at the 5 s wall-clock one
     (on a loaded machine that stopped it at a 90.4 us plan without the overlap, 82.4 us
     with it at the deterministic limit, both within the body's memory limit: jax 0.12)."""
-    from concerto_jax.passes import schedule_pass
+    from concerto_jax import scheduler
+    from concerto_jax.judge import order_from_events
     from concerto_jax.scheduler import ScheduleOptions
 
     step, params, x = _scan_step(4, fsdp=True)
@@ -260,21 +261,20 @@ def test_remat_work_in_backward_body_is_costed_and_used(monkeypatch):
     assert remat_us > 0
     before = [i.name for i in body.instructions]
     plans = []
-    real = schedule_pass.scheduler.schedule
+    real = scheduler.schedule
 
     def recorded(graph, options, initial=None):
         plans.append((graph, real(graph, options, initial=initial)))
         return plans[-1][1]
 
-    monkeypatch.setattr(schedule_pass.scheduler, "schedule", recorded)
+    monkeypatch.setattr(scheduler, "schedule", recorded)
     PASSES["schedule"](module, Options(passes=("schedule",),
                                        scheduler=ScheduleOptions(full_model_time_limit_s=120.0)))
     assert [i.name for i in body.instructions] != before, "the backward body should be reordered"
     (graph, plan), = [(g, r) for g, r in plans if len(g) == len(hg.graph)
                       and [t.name for t in g.tasks] == [t.name for t in hg.graph.tasks]]
     # the body is in that plan's order
-    order = schedule_pass.order_from_events(hg, plan.events, [module.computation(bwd).instruction(n)
-                                                               for n in before])
+    order = order_from_events(hg, plan.events, [module.computation(bwd).instruction(n) for n in before])
     assert [i.name for i in body.instructions] == [i.name for i in order]
     tl = timeline(graph, plan.events)
     tasks = graph.tasks

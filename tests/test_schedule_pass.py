@@ -7,7 +7,7 @@ import hlo_passes
 from concerto_jax.capture import capture
 from concerto_jax.costmodel import CostModel, get_cluster
 from concerto_jax.hlo_taskgraph import build_taskgraph
-from concerto_jax.passes.schedule_pass import order_from_events
+from concerto_jax.judge import order_from_events
 from hlo_passes.registry import PASSES
 from tests._helpers import assert_tree_bitwise, dp_mlp_step
 

@@ -135,7 +135,7 @@ class DecomposeOptions:
     # The whole program's memory budget in bytes (compile_for_target: XLA's own scheduler
     # limit, Options.memory_budget="xla"), or None. A rotated loop body is planned within
     # the larger of its input order's limit and its share of the budget
-    # (schedule_pass.budget_share), as the "schedule" pass plans it afterwards.
+    # (judge.budget_share), as the "schedule" pass plans it afterwards.
     memory_budget_bytes: int | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):

@@ -250,7 +250,7 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
     """
     from concerto_jax.capture import jit_info
     from concerto_jax.costmodel import CostModel, get_cluster
-    from concerto_jax.deviceless.fidelity import measure
+    from concerto_jax.judge.fidelity import measure
     from concerto_jax.options import Options
 
     if via not in ("backend_only", "pin"):
@@ -366,13 +366,13 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
     With ``guard_rewrites``, a program rewritten by the passes before XLA (decompose,
     fuse_collectives, ...) is kept only if its plan on XLA's scheduled module of it is faster
     than the plan on XLA's scheduled module of the original step (both judged by
-    ``fidelity.judge_module``, the figure ``planned_step_us`` reports; the backend keeps the
+    ``judge.judge_module``, the figure ``planned_step_us`` reports; the backend keeps the
     plan, so this is also the final module's figure); when the rewrite loses there or wins
     by less than ``GUARD_RETUNE_MARGIN``, both programs get the combine-threshold search (if
     on) and the searched plans decide; so do they where the rewrite wins by more but its own
     search moves its plan by more than that lead. The rewriting passes' records get a
     ``final_module_guard`` entry (and ``changed=False`` if the rewrite is dropped). The
-    kept plan's ``Judged`` is returned as ``planned_judged`` for ``fidelity.measure``,
+    kept plan's ``Judged`` is returned as ``planned_judged`` for ``judge.measure``,
     which then does not simulate the plan a second time.
     """
     from concerto_jax import pipeline
@@ -633,7 +633,7 @@ def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: fl
 
     Two stages, each candidate one XLA compile (``scheduled_at(env) -> (XLA's scheduled module,
     serialized compile options of the backend compile)``) and one reschedule, judged as the
-    rewrite guard judges (``fidelity.judge_module``):
+    rewrite guard judges (``judge.judge_module``):
 
     1. uniform: XLA's all-reduce, all-gather and reduce-scatter thresholds all set to each
        size of ``options.combine_thresholds``;
@@ -773,7 +773,7 @@ def _memory_budget(scheduled_src: str | None, options, cost_model) -> int | None
 def _plan_on(scheduled_src: str, options, cost_model, seconds: dict,
              budget: int | None = None) -> dict:
     """Our order of XLA's scheduled module ``scheduled_src`` when "schedule" runs (else as is),
-    judged (``fidelity.judge_module``).
+    judged (``judge.judge_module``).
 
     With a ``budget`` (``_memory_budget``) the module is planned twice, held to the peak
     of XLA's order (``options.scheduler``'s limit) and within that budget, the limit XLA's
@@ -789,7 +789,7 @@ def _plan_on(scheduled_src: str, options, cost_model, seconds: dict,
     Raises:
       RuntimeError: our order's peak exceeds the memory limit.
     """
-    from concerto_jax.deviceless.fidelity import judge_module
+    from concerto_jax.judge.fidelity import judge_module
 
     if "schedule" not in options.passes:
         return {"handed": scheduled_src, "judged": judge_module(scheduled_src, cost_model),
@@ -820,7 +820,7 @@ def _plan_once(scheduled_src: str, options, cost_model, seconds: dict, same_as=N
     """One run of the schedule pass over ``scheduled_src`` (``_plan_on``), judged (the judge of
     ``same_as``, an earlier plan, reused when the order is the same)."""
     from concerto_jax.deviceless import reschedule
-    from concerto_jax.deviceless.fidelity import judge_module
+    from concerto_jax.judge.fidelity import judge_module
     from concerto_jax.report import PassRecord
 
     t0 = time.perf_counter()

@@ -25,6 +25,7 @@ import dataclasses
 import logging
 import re
 
+from concerto_jax.judge.computation import plan_computation
 from hlo_passes.ir import parse_module
 from hlo_passes.ir.loops import schedulable_computations
 
@@ -40,7 +41,7 @@ class Rescheduled:
 
     Attributes:
       text: the module with every scheduled computation in our order (``is_scheduled=true``).
-      computations: the ``schedule`` pass's record per computation (``ComputationSchedule``).
+      computations: the ``schedule`` pass's record per computation (``judge.ComputationPlan``).
       input_us: the entry's predicted time in the input (XLA's) order, nested computations in theirs.
       scheduled_us: the same in our order.
       changed: computations whose order changed.
@@ -151,15 +152,17 @@ def reschedule_text(text: str, cost_model, options) -> Rescheduled:
     Returns:
       A ``Rescheduled``; its text differs from ``text`` only in the order of instruction lines.
     """
-    from concerto_jax.passes.schedule_pass import schedule_computation
-
     if "is_scheduled=true" not in text.split("\n", 1)[0]:
         raise ValueError("reschedule_text needs a scheduled module (is_scheduled=true)")
     module = parse_module(text, source="xla-after-lhs")
     times: dict[str, dict[str, float]] = {"program": {}, "scheduled": {}, "bound": {}}
     problems: list[str] = []
-    done = [schedule_computation(module, comp, cost_model, options, times, problems)
-            for comp in schedulable_computations(module)]
+    done = []
+    for comp in schedulable_computations(module):  # callees first: each planned on its callees' orders
+        plan = plan_computation(module, comp, cost_model, options.scheduler, times, problems)
+        if plan.changed:
+            comp.set_order([comp.instruction(n) for n in plan.order])
+        done.append(plan)
     if problems:
         message = "; ".join(problems)
         # once per message at WARNING: the threshold search reschedules the same module many times

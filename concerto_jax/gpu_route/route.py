@@ -407,7 +407,7 @@ def plan_on_scheduled(post_spmd: str, scheduled: str | None, options,
                            for r in records]
     handed, record = _ordered(src, options, cost_model)
     if replicated:
-        from concerto_jax.deviceless.fidelity import judge_module
+        from concerto_jax.judge import judge_module
 
         plain, plain_record = _ordered(scheduled, options, cost_model)
         ours_us, plain_us = judge_module(handed, cost_model).us, judge_module(plain, cost_model).us

@@ -28,7 +28,7 @@ import logging
 from concerto_jax import scheduler
 from concerto_jax.costmodel import CostModel, get_cluster
 from concerto_jax.hlo_taskgraph import build_taskgraph
-from concerto_jax.simulator import timeline
+from concerto_jax.judge import judge_graph
 from concerto_jax.taskgraph import TaskGraph
 from hlo_passes.collective_fusion import fuse_group, fusion_key
 from hlo_passes.ir import module_to_text, parse_module
@@ -70,8 +70,7 @@ def keyed_graph(graph: TaskGraph, entry) -> TaskGraph:
 def program_order_peak(module, cost_model: CostModel) -> int:
     """Peak live bytes of ``module``'s entry in its current order (the scheduler's memory model)."""
     hg = build_taskgraph(module, cost_model, fold_aliases=False)
-    tl = timeline(hg.graph, hg.events)
-    return scheduler.peak_memory(hg.graph, tl.start, tl.end)
+    return judge_graph(hg.graph, hg.events).peak_bytes()
 
 
 def apply_groups(module, groups: list[tuple[str, ...]]) -> int:
@@ -96,8 +95,7 @@ def fuse_pass(module, options: PassOptions) -> PassOutcome:
     entry = module.entry
     graph = keyed_graph(hg.graph, entry)
     n_coll = sum(t.is_collective for t in graph.tasks)
-    tl = timeline(hg.graph, hg.events)
-    input_peak = scheduler.peak_memory(hg.graph, tl.start, tl.end)
+    input_peak = judge_graph(hg.graph, hg.events).peak_bytes()
     limit = options.scheduler.memory_limit_for(input_peak)
     stats: dict = {"target": options.target, "collectives": n_coll, "fused_groups": 0,
                    "collectives_after": n_coll, "input_peak_bytes": input_peak,

@@ -17,6 +17,10 @@ from __future__ import annotations
 
 import logging
 
+from concerto_jax.costmodel import CostModel, get_cluster
+from concerto_jax.hlo_taskgraph import build_taskgraph
+from concerto_jax.judge import judge_graph, planned_events
+from concerto_jax.simulator import SimOptions
 from hlo_passes.options import PassOptions
 from hlo_passes.pins import CHEAP_OPCODES, pin_windows, windows_from_order
 from hlo_passes.registry import PassOutcome
@@ -26,16 +30,12 @@ log = logging.getLogger(__name__)
 
 def planned_windows(module, cost_model) -> list:
     """The windows of ``module.entry`` cut where the planned transfer of each collective ends."""
-    from concerto_jax.deviceless.fidelity import planned_events
-    from concerto_jax.hlo_taskgraph import build_taskgraph
-    from concerto_jax.simulator import SimOptions, simulate
-
     windows = windows_from_order(module.entry)
     if not windows:
         return []
     hg = build_taskgraph(module, cost_model, fold_aliases=False)
-    sim = simulate(hg.graph, planned_events(hg.graph, hg.events),
-                   SimOptions(overlap_slowdown=cost_model.options.overlap_slowdown, memory=False))
+    sim = judge_graph(hg.graph, planned_events(hg.graph, hg.events),
+                      sim=SimOptions(overlap_slowdown=cost_model.options.overlap_slowdown, memory=False)).sim
     timing = {t.name: t for t in sim.timings}
     out = []
     for w in windows:
@@ -59,8 +59,6 @@ def planned_windows(module, cost_model) -> list:
 
 def pin_pass(module, options: PassOptions) -> PassOutcome:
     """Pin the planned windows of ``module.entry``; see the module docstring."""
-    from concerto_jax.costmodel import CostModel, get_cluster
-
     windows = planned_windows(module, CostModel(get_cluster(options.target)))
     stats = pin_windows(module, windows)
     out = {"windows": stats.windows, "pinned": stats.pinned, "barrier_inputs": stats.barrier_inputs,

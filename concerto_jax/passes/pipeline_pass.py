@@ -29,9 +29,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from concerto_jax import scheduler
 from concerto_jax.costmodel import CostModel, get_cluster
 from concerto_jax.hlo_taskgraph import build_taskgraph
+from concerto_jax.judge import budget_share, judge_computation
 from hlo_passes.ir import module_to_text, parse_module
 from hlo_passes.ir.loops import analyze_while, schedulable_computations
 from hlo_passes.options import PassOptions
@@ -55,8 +55,8 @@ class _Body:
 
 
 def _schedule_body(module, body_name: str, cost_model: CostModel, sched_options) -> _Body:
-    hg = build_taskgraph(module, cost_model, fold_aliases=False, computation=body_name)
-    result = scheduler.schedule(hg.graph, sched_options, initial=hg.events)
+    result = judge_computation(module, cost_model, body_name, fold_aliases=False,
+                               schedule=sched_options).schedule
     return _Body(result.makespan_us, result.input_peak_memory_bytes, result.peak_memory_bytes)
 
 
@@ -133,7 +133,7 @@ def decide_rotation(module, inst, cost_model: CostModel, options, budget: int | 
     original iteration split between the prologue (the head) and the epilogue (the
     tail), costed as the original body's makespan plus the tail's serial time. Kept when
     that is at least ``ROTATION_MARGIN`` shorter. ``budget``: the whole program's memory
-    budget; the body's limit is then at least its share (``schedule_pass.budget_share``).
+    budget; the body's limit is then at least its share (``judge.budget_share``).
     """
     info = analyze_while(inst)
     record = {"loop": inst.name, "body": info.body, "trips": info.trip_count, "rotated": False}
@@ -151,8 +151,6 @@ def decide_rotation(module, inst, cost_model: CostModel, options, budget: int | 
     base = _schedule_body(module, info.body, cost_model, options.scheduler)
     limit = options.scheduler.memory_limit_for(base.input_peak_bytes)
     if limit is not None and budget is not None:
-        from concerto_jax.passes.schedule_pass import budget_share
-
         limit = max(limit, budget_share(module, body, budget))
     trial_options = options.scheduler if limit is None else dataclasses.replace(
         options.scheduler, memory_limit_bytes=limit)

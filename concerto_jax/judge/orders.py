@@ -171,3 +171,24 @@ def map_order(module, built, base_events: Sequence | None = None) -> MappedOrder
 
 
 # ---------------------------------------------------------------------------------------- comparison
+
+
+def planned_events(graph, events) -> list:
+    """``events`` with every collective's START as early and DONE as late as dependencies allow."""
+    key = {e: float(k) for k, e in enumerate(events)}
+    last = {}  # task -> key of its last event
+    for e in events:
+        last[e.task] = key[e]
+    first = {}
+    for e in events:
+        first.setdefault(e.task, key[e])
+    for i, t in enumerate(graph.tasks):
+        if not t.is_collective:
+            continue
+        ready = max((last[p] for p in graph.preds[i]), default=-1.0)
+        key[Event(i, Phase.START)] = ready + 1e-3
+        need = min((first[s] for s in graph.succs[i]), default=float(len(events)))
+        key[Event(i, Phase.DONE)] = need - 1e-3
+    out, _ = order_by_priority(graph, key)
+    graph.check_schedule(out)
+    return out
