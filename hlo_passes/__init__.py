@@ -10,8 +10,9 @@ Layout::
     cpu_compensation.py XLA:CPU's divide-by-broadcast rule (for the executor)
     upcast.py          a module's wider-precision twin (the first step's "wider" judge)
     emit.py            the scheduled form with async start/done pairs (dumps)
+    schedule/          pass "schedule" (run.py: schedule_pass)
     decompose_rewrite.py, pipelining.py, collective_fusion.py, pins.py
-                       the rewrites of the passes (their decisions: concerto_jax.passes)
+                       the rewrites of the other passes (their decisions: concerto_jax.passes)
 
 Pipeline position::
 

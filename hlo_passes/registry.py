@@ -50,7 +50,7 @@ PassFn = Callable[..., PassOutcome]
 PASS_TABLE: dict[str, PassSpec] = {
     "pipeline_loops": PassSpec("concerto_jax.passes.pipeline_pass:pipeline_loops_pass"),  # before schedule
     "decompose": PassSpec("concerto_jax.passes.decompose_pass:decompose_pass"),
-    "schedule": PassSpec("concerto_jax.passes.schedule_pass:schedule_pass"),
+    "schedule": PassSpec("hlo_passes.schedule.run:schedule_pass"),
     "fuse_collectives": PassSpec("concerto_jax.passes.fuse_pass:fuse_pass"),
     "pin": PassSpec("concerto_jax.passes.pin_pass:pin_pass"),
 }

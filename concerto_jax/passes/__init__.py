@@ -1,7 +1,7 @@
 """Passes of the ``optimize`` pipeline, listed by name in ``hlo_passes.registry.PASS_TABLE``.
 
 * ``schedule``: order every computation (entry, loop bodies, branches) by the RCPSP
-  scheduler (Concerto §4).
+  scheduler (Concerto §4); it lives in its own folder, ``hlo_passes/schedule/``.
 * ``pipeline_loops``: prefetch next iteration's FSDP all-gathers in scanned-layer
   loops where the schedule says it pays and the memory limit allows (run before
   ``schedule``).

@@ -1,7 +1,7 @@
 """Control flow of an HLO module: which computations run, loop trip counts and carried values.
 
 Pipeline position: read-only analysis used by the passes that work on every
-computation of a module (``concerto_jax.passes.schedule_pass``) and by the loop
+computation of a module (``hlo_passes.schedule.run``) and by the loop
 rewrite (``hlo_passes.pipeline_loops``).
 
 * ``schedulable_computations(module)``: the computations that run as sequences of
