@@ -11,7 +11,8 @@ Layout::
     upcast.py          a module's wider-precision twin (the first step's "wider" judge)
     emit.py            the scheduled form with async start/done pairs (dumps)
     schedule/          pass "schedule" (run.py: schedule_pass)
-    decompose_rewrite.py, pipelining.py, collective_fusion.py, pins.py
+    pin/               pass "pin" (run.py: pin_pass, planned_windows; rewrite.py: the barriers)
+    decompose_rewrite.py, pipelining.py, collective_fusion.py
                        the rewrites of the other passes (their decisions: concerto_jax.passes)
 
 Pipeline position::

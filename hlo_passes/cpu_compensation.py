@@ -61,7 +61,7 @@ def cpu_divide_by_broadcast(module: HloModule) -> int:
                 continue
             b = bcast.operands[0]
             # Constant divisors are XLA's "A / Const" rule, which sees through the folding.
-            # Window pins (hlo_passes.pins) are not uses XLA's jitted program had.
+            # Window pins (hlo_passes.pin) are not uses XLA's jitted program had.
             uses = [u for u in b.users if not _is_pin_tuple(u)]
             if b.opcode == "constant" or uses != [bcast] or b is comp.root:
                 continue

@@ -52,7 +52,7 @@ PASS_TABLE: dict[str, PassSpec] = {
     "decompose": PassSpec("concerto_jax.passes.decompose_pass:decompose_pass"),
     "schedule": PassSpec("hlo_passes.schedule.run:schedule_pass"),
     "fuse_collectives": PassSpec("concerto_jax.passes.fuse_pass:fuse_pass"),
-    "pin": PassSpec("concerto_jax.passes.pin_pass:pin_pass"),
+    "pin": PassSpec("hlo_passes.pin.run:pin_pass"),
 }
 """The library's passes, in the order ``pass_names`` lists them."""
 

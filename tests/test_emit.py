@@ -8,7 +8,7 @@ import concerto_jax
 import hlo_passes
 import models
 from hlo_passes.emit import emit_scheduled
-from hlo_passes.pins import pin_windows, windows_from_order
+from hlo_passes.pin import pin_windows, windows_from_order
 from tests._helpers import FAST, run_bitwise_steps
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "hlo")

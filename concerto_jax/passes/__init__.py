@@ -8,7 +8,8 @@
 * ``decompose``: split the computation around critical collectives (Concerto §5).
 * ``fuse_collectives``: merge compatible collectives into variadic ones, fused sizes
   chosen by the cost model (Concerto §4.5, Algorithm 1).
-* ``pin``: opt-barriers around each collective's planned window, so XLA keeps the overlap.
+* ``pin``: opt-barriers around each collective's planned window, so XLA keeps the overlap
+  (``hlo_passes/pin/``).
 
 The pipeline imports a pass's module when the pass first runs.
 """

@@ -6,7 +6,7 @@ it sits and is waited for right before its first reader; simulated with the
 target's cost model (``Options.target``), its transfer overlaps some of the
 compute after it. The window is cut after the last compute instruction that
 starts before the transfer ends (the rest of the gap before the first reader
-is not needed to hide it), and ``hlo_passes.pins`` ties that window with two
+is not needed to hide it), and ``hlo_passes.pin.rewrite`` ties that window with two
 ``opt-barrier``s, so that XLA's latency hiding scheduler, which reorders the
 module it receives, overlaps the collective with that compute and not another
 (docs/ARCHITECTURE.md F7). Short windows keep barriers few: they block fusion
@@ -22,7 +22,7 @@ from concerto_jax.hlo_taskgraph import build_taskgraph
 from concerto_jax.judge import judge_graph, planned_events
 from concerto_jax.simulator import SimOptions
 from hlo_passes.options import PassOptions
-from hlo_passes.pins import CHEAP_OPCODES, pin_windows, windows_from_order
+from hlo_passes.pin.rewrite import CHEAP_OPCODES, pin_windows, windows_from_order
 from hlo_passes.registry import PassOutcome
 
 log = logging.getLogger(__name__)

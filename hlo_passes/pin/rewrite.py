@@ -26,7 +26,7 @@ the ``schedule`` pass places a collective (at its START event; every user
 after its DONE).
 
 Pipeline position: after the reordering passes, before the replicated rewrite
-and printing (``concerto_jax.passes.pin_pass`` registers it as ``pin``).
+and printing (``hlo_passes.pin.run.pin_pass``, registered as ``pin``).
 """
 
 from __future__ import annotations
