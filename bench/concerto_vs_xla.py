@@ -195,10 +195,11 @@ def compare(before_text: str | None, final_text: str, cost_model, options: Conce
       A ``Comparison`` whose ``row`` has the ``COLUMNS`` this function measures.
     """
     from concerto_jax.hlo_taskgraph import build_taskgraph
-    from concerto_jax.scheduler import ScheduleOptions, fuse_collectives, schedule
+    from concerto_jax.scheduler import ScheduleOptions, schedule
     from concerto_jax.scheduler.program_model import auto_resolution, solve_program
     from concerto_jax.scheduler.rcpsp import SchedulerError, SolverParams
     from concerto_jax.simulator import SimOptions, lower_bounds, simulate
+    from hlo_passes.fuse_collectives import fuse_collectives
     from hlo_passes.ir.parser import parse_module
 
     row: dict = {}

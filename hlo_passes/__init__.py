@@ -12,7 +12,9 @@ Layout::
     emit.py            the scheduled form with async start/done pairs (dumps)
     schedule/          pass "schedule" (run.py: schedule_pass)
     pin/               pass "pin" (run.py: pin_pass, planned_windows; rewrite.py: the barriers)
-    decompose_rewrite.py, pipelining.py, collective_fusion.py
+    fuse_collectives/  pass "fuse_collectives" (run.py: fuse_pass; grouping.py: Algorithm 1 on
+                       the task graph; rewrite.py: variadic collectives in the HLO)
+    decompose_rewrite.py, pipelining.py
                        the rewrites of the other passes (their decisions: concerto_jax.passes)
 
 Pipeline position::

@@ -59,7 +59,7 @@ def spmd_to_replicated(module: HloModule) -> int:
       so no collective keeps a channel id (which also keeps XLA's non-SPMD layout
       assignment from tying all-reduces of one channel together, see
       :func:`unique_all_reduce_channels`, and from failing on tuple all-reduces with a
-      channel, see ``collective_fusion.cross_replica_variadic_all_reduces``);
+      channel, see ``fuse_collectives.rewrite.cross_replica_variadic_all_reduces``);
     * the header says ``num_partitions=1, replica_count=N``;
     * mesh-form replica groups (``mesh[...] {...}``) are written in list form: XLA's
       HLO -> StableHLO -> compile path runs some of them wrongly (checked with jax

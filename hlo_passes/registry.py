@@ -51,7 +51,7 @@ PASS_TABLE: dict[str, PassSpec] = {
     "pipeline_loops": PassSpec("concerto_jax.passes.pipeline_pass:pipeline_loops_pass"),  # before schedule
     "decompose": PassSpec("concerto_jax.passes.decompose_pass:decompose_pass"),
     "schedule": PassSpec("hlo_passes.schedule.run:schedule_pass"),
-    "fuse_collectives": PassSpec("concerto_jax.passes.fuse_pass:fuse_pass"),
+    "fuse_collectives": PassSpec("hlo_passes.fuse_collectives.run:fuse_pass"),
     "pin": PassSpec("hlo_passes.pin.run:pin_pass"),
 }
 """The library's passes, in the order ``pass_names`` lists them."""

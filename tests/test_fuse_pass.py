@@ -1,6 +1,6 @@
 """The "fuse_collectives" pass and the pass registry: every name Options accepts runs end to end.
 
-* the HLO rewrite (``hlo_passes.collective_fusion``): compatible collectives become one
+* the HLO rewrite (``hlo_passes.fuse_collectives.rewrite``): compatible collectives become one
   variadic collective, XLA's parser accepts the module, incompatible or dependent
   members are refused;
 * through ``optimize`` with ``fallback=False``: results bitwise equal to the original
@@ -14,7 +14,7 @@ import concerto_jax
 import hlo_passes
 import models
 from concerto_jax.capture import capture
-from hlo_passes.collective_fusion import fuse_group, fusion_key
+from hlo_passes.fuse_collectives import fuse_group, fusion_key
 from hlo_passes.registry import PASS_TABLE, PASSES, pass_names
 from tests._helpers import (
     FAST,

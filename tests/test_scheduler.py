@@ -12,11 +12,9 @@ from concerto_jax.scheduler import (
     ScheduleError,
     ScheduleOptions,
     SolverParams,
-    alpha_beta,
     check_events,
     check_timeline,
     decode,
-    fuse_collectives,
     list_schedule,
     odd_even,
     peak_memory,
@@ -26,6 +24,7 @@ from concerto_jax.scheduler import (
 from concerto_jax.scheduler.heuristics import justified_schedule
 from concerto_jax.simulator import lower_bounds, makespan, timeline
 from concerto_jax.taskgraph import CollectiveInfo, Event, Phase, Task, TaskGraph, TaskKind
+from hlo_passes.fuse_collectives import alpha_beta, fuse_collectives
 
 C, K = TaskKind.COMPUTE, TaskKind.COLLECTIVE
 

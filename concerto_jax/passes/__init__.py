@@ -7,7 +7,7 @@
   ``schedule``).
 * ``decompose``: split the computation around critical collectives (Concerto §5).
 * ``fuse_collectives``: merge compatible collectives into variadic ones, fused sizes
-  chosen by the cost model (Concerto §4.5, Algorithm 1).
+  chosen by the cost model (Concerto §4.5, Algorithm 1; ``hlo_passes/fuse_collectives/``).
 * ``pin``: opt-barriers around each collective's planned window, so XLA keeps the overlap
   (``hlo_passes/pin/``).
 

@@ -2,8 +2,6 @@
 
 Stages, for one ``TaskGraph`` (``concerto_jax.taskgraph``)::
 
-    [fusion]     fuse_collectives: merge interchangeable collectives, bucket sizes chosen
-                 by the evaluated makespan under a cost model (paper Algorithm 1)
     schedule     list heuristic -> whole-graph CP-SAT (small graphs) -> odd-even windows
     decode       start times -> event order (collective START ahead of the compute it
                  overlaps, DONE before its first consumer)
@@ -21,13 +19,6 @@ from concerto_jax.scheduler.checker import (
     peak_memory,
 )
 from concerto_jax.scheduler.decode import decode, order_by_keys
-from concerto_jax.scheduler.fusion import (
-    CostFn,
-    FusionResult,
-    alpha_beta,
-    build_fused_graph,
-    fuse_collectives,
-)
 from concerto_jax.scheduler.heuristics import list_schedule
 from concerto_jax.scheduler.oddeven import OddEvenOptions, OddEvenResult, odd_even
 from concerto_jax.scheduler.program_model import ProgramSolution, solve_program
@@ -47,11 +38,6 @@ from concerto_jax.scheduler.schedule import (
 )
 
 __all__ = [
-    "CostFn",
-    "FusionResult",
-    "alpha_beta",
-    "build_fused_graph",
-    "fuse_collectives",
     "OddEvenOptions",
     "OddEvenResult",
     "ProgramSolution",

@@ -4,13 +4,13 @@ Decide on the task graph, rewrite the HLO (Concerto ASPLOS'25 §4.5, Algorithm 1
 
 1. The entry computation becomes a costed ``TaskGraph`` (costs for ``Options.target``);
    each synchronous ``all-reduce``/``all-gather`` gets the HLO compatibility key of
-   ``hlo_passes.collective_fusion.fusion_key`` (groups, mode, dtype, reducer
+   ``hlo_passes.fuse_collectives.rewrite.fusion_key`` (groups, mode, dtype, reducer
    structure, gather dimension), every other collective a key of its own.
-2. ``concerto_jax.scheduler.fuse_collectives`` walks the collectives in program
+2. ``hlo_passes.fuse_collectives.grouping.fuse_collectives`` walks the collectives in program
    order and appends one to the open bucket of its key only where the rescheduled
    graph's makespan does not grow, with the fused duration from the cost model:
    the bucket size is a decision, not a constant (paper Figure 2).
-3. ``hlo_passes.collective_fusion.fuse_group`` rewrites each bucket into one
+3. ``hlo_passes.fuse_collectives.rewrite.fuse_group`` rewrites each bucket into one
    variadic collective plus ``get-tuple-element``s (results bitwise equal).
 
 Memory: the peak of the program order after fusion (``scheduler.peak_memory`` on
@@ -25,12 +25,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from concerto_jax import scheduler
 from concerto_jax.costmodel import CostModel, get_cluster
 from concerto_jax.hlo_taskgraph import build_taskgraph
 from concerto_jax.judge import judge_graph
 from concerto_jax.taskgraph import TaskGraph
-from hlo_passes.collective_fusion import fuse_group, fusion_key
+from hlo_passes.fuse_collectives.grouping import CostFn, fuse_collectives
+from hlo_passes.fuse_collectives.rewrite import fuse_group, fusion_key
 from hlo_passes.ir import module_to_text, parse_module
 from hlo_passes.options import PassOptions
 from hlo_passes.registry import PassOutcome
@@ -38,7 +38,7 @@ from hlo_passes.registry import PassOutcome
 log = logging.getLogger(__name__)
 
 
-def collective_cost_fn(cost_model: CostModel) -> scheduler.CostFn:
+def collective_cost_fn(cost_model: CostModel) -> CostFn:
     """Duration (µs) of a (fused) collective under ``cost_model``; ``groups_key[0]`` holds the groups."""
 
     def cost(info) -> float:
@@ -102,9 +102,9 @@ def fuse_pass(module, options: PassOptions) -> PassOutcome:
                    "peak_bytes": input_peak, "memory_limit_bytes": limit}
     if n_coll < 2:
         return PassOutcome(changed=False, stats=stats)
-    fr = scheduler.fuse_collectives(graph, collective_cost_fn(cost_model), events=hg.events,
-                                    max_evaluations=options.scheduler.fusion_max_evaluations,
-                                    progress=options.scheduler.progress)
+    fr = fuse_collectives(graph, collective_cost_fn(cost_model), events=hg.events,
+                          max_evaluations=options.scheduler.fusion_max_evaluations,
+                          progress=options.scheduler.progress)
     pos = {inst.name: k for k, inst in enumerate(entry.instructions)}
     groups = sorted((tuple(sorted(names, key=pos.__getitem__))
                      for names in fr.fused_to_originals.values()), key=lambda g: pos[g[0]])
