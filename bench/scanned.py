@@ -181,7 +181,7 @@ def recording_reschedules():
 def register_prefetch_all() -> None:
     """Register the bench-only pass ``prefetch_all``: ``pipeline_prefetch`` on every loop that has candidates."""
     from hlo_passes.ir.loops import analyze_while, schedulable_computations
-    from hlo_passes.pipelining import loop_shape_problem, pipeline_prefetch, prefetch_candidates
+    from hlo_passes.pipeline_loops import loop_shape_problem, pipeline_prefetch, prefetch_candidates
     from hlo_passes.registry import PASSES, PassOutcome
 
     def prefetch_all(module, options):  # noqa: ARG001 - pass signature

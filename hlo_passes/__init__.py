@@ -14,8 +14,11 @@ Layout::
     pin/               pass "pin" (run.py: pin_pass, planned_windows; rewrite.py: the barriers)
     fuse_collectives/  pass "fuse_collectives" (run.py: fuse_pass; grouping.py: Algorithm 1 on
                        the task graph; rewrite.py: variadic collectives in the HLO)
-    decompose_rewrite.py, pipelining.py
-                       the rewrites of the other passes (their decisions: concerto_jax.passes)
+    pipeline_loops/    pass "pipeline_loops" (run.py; decide.py; prefetch.py, rotation.py: the
+                       rewrites; loop_state.py: what both share)
+    decompose_rewrite.py
+                       the rewrite of "decompose" (its decisions: concerto_jax.passes,
+                       concerto_jax.decompose)
 
 Pipeline position::
 

@@ -48,7 +48,7 @@ PassFn = Callable[..., PassOutcome]
 """``(module: HloModule, options: PassOptions) -> PassOutcome``."""
 
 PASS_TABLE: dict[str, PassSpec] = {
-    "pipeline_loops": PassSpec("concerto_jax.passes.pipeline_pass:pipeline_loops_pass"),  # before schedule
+    "pipeline_loops": PassSpec("hlo_passes.pipeline_loops.run:pipeline_loops_pass"),  # before schedule
     "decompose": PassSpec("concerto_jax.passes.decompose_pass:decompose_pass"),
     "schedule": PassSpec("hlo_passes.schedule.run:schedule_pass"),
     "fuse_collectives": PassSpec("hlo_passes.fuse_collectives.run:fuse_pass"),

@@ -58,7 +58,7 @@ ALLOWED_UNMARKED_LAZY: dict[str, int] = {  # module -> unmarked function-level i
     "concerto_jax.decompose.cost": 1, "concerto_jax.decompose.region": 3,
     "concerto_jax.gpu_check.check": 58, "concerto_jax.gpu_route.route": 25, "concerto_jax.jax_compat": 16,
     "concerto_jax.launch": 1, "concerto_jax.multiprocess": 2,
-    "concerto_jax.passes.decompose_pass": 8,
+    "concerto_jax.passes.decompose_pass": 7,
     "concerto_jax.scheduler.rcpsp": 1, "concerto_jax.simulator.trace": 2,
     "concerto_jax.deviceless.compile": 1, "concerto_jax.deviceless.cuda_plugin": 4,
     "concerto_jax.deviceless.pjrt_c": 4, "concerto_jax.deviceless.program": 29,

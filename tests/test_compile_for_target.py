@@ -194,7 +194,7 @@ def test_rotation_guard_keeps_the_faster_program_on_xlas_module(monkeypatch):
     within its memory limit as fast as the rotated one, and no rotation pays there."""
     from functools import partial
 
-    from concerto_jax.passes import pipeline_pass
+    from hlo_passes.pipeline_loops import decide as pipeline_pass
 
     monkeypatch.setattr(pipeline_pass, "ROTATION_MARGIN", -1.0)
 

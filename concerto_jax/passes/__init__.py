@@ -4,7 +4,7 @@
   scheduler (Concerto §4); it lives in its own folder, ``hlo_passes/schedule/``.
 * ``pipeline_loops``: prefetch next iteration's FSDP all-gathers in scanned-layer
   loops where the schedule says it pays and the memory limit allows (run before
-  ``schedule``).
+  ``schedule``; ``hlo_passes/pipeline_loops/``).
 * ``decompose``: split the computation around critical collectives (Concerto §5).
 * ``fuse_collectives``: merge compatible collectives into variadic ones, fused sizes
   chosen by the cost model (Concerto §4.5, Algorithm 1; ``hlo_passes/fuse_collectives/``).

@@ -9,7 +9,7 @@ cannot fuse the chunks back together; weight gradients and losses are summed
 (declared tolerance ``region_tolerance``, 1e-3). Where no computation has a
 region with a positive score, the per-collective **contexts** below. After the region
 split of a loop body, the loop may be **rotated** (``DecomposeOptions.rotate_loops``,
-``pipeline_pass.decide_rotation``): the last chunk's final collective of iteration ``i``
+``hlo_passes.pipeline_loops.decide_rotation``): the last chunk's final collective of iteration ``i``
 completes during iteration ``i + 1``, against the next layer's first chunk, where the rotated
 body plans faster within the body's memory limit (bitwise: only the order changes).
 
@@ -58,6 +58,7 @@ from concerto_jax.decompose.search import apply, find_candidates, joint_revise
 from hlo_passes.ir import channel_counter
 from hlo_passes.ir.errors import HloError
 from hlo_passes.options import PassOptions
+from hlo_passes.pipeline_loops.decide import decide_rotation
 from hlo_passes.registry import PassOutcome
 
 log = logging.getLogger(__name__)
@@ -337,11 +338,10 @@ def _region_split(module, options, dopts: DecomposeOptions, cost_model) -> PassO
 def _rotate_split_loops(module, options, cost_model, decomposed: list[dict],
                         budget: int | None, skip: tuple[str, ...] = ()) -> list[dict]:
     """After every region split: each while whose body was split gets a rotation where it
-    pays (``pipeline_pass.decide_rotation``, within ``budget``: ``DecomposeOptions.
+    pays (``pipeline_loops.decide_rotation``, within ``budget``: ``DecomposeOptions.
     memory_budget_bytes``) unless its body is in ``skip``; the split's record says which
     (``rotated``).
     A rotation that fails is skipped with a log line (the split stays)."""
-    from concerto_jax.passes.pipeline_pass import decide_rotation
 
     records = []
     for entry in decomposed:

@@ -1,27 +1,9 @@
-"""The ``pipeline_loops`` pass: prefetch next iteration's FSDP all-gathers where the schedule says it pays.
+"""The decisions of the ``pipeline_loops`` pass: whether a loop's prefetch or rotation pays.
 
-For every ``while`` of the module (scanned layers) whose body gathers slices of
-loop-invariant stacked weights (``hlo_passes.pipelining.prefetch_candidates``),
-the pass tries the software-pipelining rewrite (``pipeline_prefetch``: the
-gather of iteration ``i + 1`` is issued in iteration ``i``, a prologue gathers
-iteration 0, the gathered buffers are carried) on a copy of the module and
-schedules the loop body both ways with the RCPSP scheduler (costs for
-``Options.target``). It keeps the rewrite when
-
-* it pays: ``trips x body'`` plus the prologue's gathers is shorter than
-  ``trips x body`` (both bodies scheduled, the nested loops at their input
-  order's cost), and
-* it fits: the rewritten body's peak live bytes (which now include the carried
-  prefetched buffers for the whole iteration) stay within the scheduler's
-  memory limit for that body (``ScheduleOptions.memory_limit_for`` of the
-  original body's input peak: with the default ``memory_limit_ratio=1.0`` a
-  rewrite that holds more memory than the body did is refused; raise the ratio
-  or set ``memory_limit_bytes`` to allow it).
-
-Run it before ``schedule`` (``passes=("pipeline_loops", "schedule")``): the
-rewrite only makes the early gathers possible, ``schedule`` places them.
-Results stay bitwise equal (the same gathers of the same data; the last
-iteration's prefetch reads a clamped index and is discarded).
+``decide_loop`` tries the prefetch rewrite (``prefetch.pipeline_prefetch``) of one ``while`` on a
+copy and schedules the body both ways with the judge (``concerto_jax.judge``, costs for
+``Options.target``); ``decide_rotation`` does the same for the rotation (``rotation.rotate_loop``,
+used by ``decompose`` after a split). See ``hlo_passes.pipeline_loops.run`` for the pass.
 """
 
 from __future__ import annotations
@@ -29,20 +11,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from concerto_jax.costmodel import CostModel, get_cluster
+from concerto_jax.costmodel import CostModel
 from concerto_jax.hlo_taskgraph import build_taskgraph
 from concerto_jax.judge import budget_share, judge_computation
 from hlo_passes.ir import module_to_text, parse_module
-from hlo_passes.ir.loops import analyze_while, schedulable_computations
-from hlo_passes.options import PassOptions
-from hlo_passes.pipelining import (
+from hlo_passes.ir.loops import analyze_while
+from hlo_passes.pipeline_loops.prefetch import (
     loop_shape_problem,
     pipeline_prefetch,
     prefetch_candidates,
-    rotate_loop,
-    rotation_candidates,
 )
-from hlo_passes.registry import PassOutcome
+from hlo_passes.pipeline_loops.rotation import rotate_loop, rotation_candidates
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +102,7 @@ module ran 1,623 -> 1,806 us a trip (XLA could no longer reassociate an all-redu
 
 
 def decide_rotation(module, inst, cost_model: CostModel, options, budget: int | None = None) -> dict:
-    """Rotate ``inst`` (``hlo_passes.pipelining.rotate_loop``) around the body collective
+    """Rotate ``inst`` (``rotation.rotate_loop``) around the body collective
     whose rotated body plans fastest, if the loop then pays; the record says what and why.
 
     Candidates carry at most ``ROTATION_MAX_CARRIED`` times their collective's bytes. Each
@@ -180,25 +159,3 @@ def decide_rotation(module, inst, cost_model: CostModel, options, budget: int | 
                       carried_bytes=best[0].bytes, why="pays and fits")
     log.info("rotation of %s: %s", inst.name, record)
     return record
-
-
-def pipeline_loops_pass(module, options: PassOptions) -> PassOutcome:
-    """Apply the prefetch rewrite to every loop where it pays and fits; see the module docstring."""
-    cost_model = CostModel(get_cluster(options.target))
-    loops = [inst for comp in schedulable_computations(module) for inst in comp.instructions
-             if inst.opcode == "while"]
-    records = [decide_loop(module, inst, cost_model, options) for inst in loops]
-    applied = [r for r in records if r["applied"]]
-    examined = [r for r in records if "body_peak_bytes" in r]
-    # Peak of the loop bodies as kept (rewritten or not) and their limits; 0 when no loop
-    # body was examined (nothing of this pass holds memory).
-    peaks = [r["pipelined_peak_bytes"] if r["applied"] else r["body_peak_bytes"] for r in examined]
-    limits = [r["memory_limit_bytes"] for r in examined]
-    stats = {"target": options.target, "loops": len(records), "pipelined": len(applied),
-             "prefetched_collectives": sum(r.get("candidates", 0) for r in applied),
-             "extra_carried_bytes": sum(r.get("extra_bytes", 0) for r in applied),
-             "peak_bytes": max(peaks, default=0),
-             "memory_limit_bytes": (None if any(v is None for v in limits) else max(limits, default=0)),
-             "per_loop": records}
-    log.info("pipeline_loops pass: %s", stats)
-    return PassOutcome(changed=bool(applied), stats=stats)
