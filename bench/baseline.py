@@ -338,7 +338,7 @@ def _validation_programs(names=None):
 
 
 def _validation_markdown(rows, command: str, setup: str, load: tuple, seconds: float, top: int) -> str:
-    from concerto_jax.costmodel.cpu import mean_abs_error_pct
+    from bench.cpu_validation import mean_abs_error_pct
 
     md = ["# CPU validation: simulated vs measured single-device programs", "",
           f"`{command}` ({seconds:.0f} s). {setup}",
@@ -412,7 +412,7 @@ def run_cpu_validation(out_dir: str = "bench/results", prefix: str = "baseline_c
       setup: how XLA:CPU was configured (threads, affinity), for the report.
       top: kernels listed per program in the per-kernel table.
     """
-    from concerto_jax.costmodel.cpu import validate_program
+    from bench.cpu_validation import validate_program
 
     t0 = time.perf_counter()
     load0 = os.getloadavg()

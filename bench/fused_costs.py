@@ -149,9 +149,8 @@ def scanned_case():
 def per_computation(case, from_dump: str | None = None, dump_dir: str | None = None) -> list[dict]:
     """Fused post-SPMD compute vs XLA's kernels per schedulable computation (one run of each;
     computation names survive XLA's pipeline)."""
-    from concerto_jax.costmodel import CostModel, get_cluster
-    from concerto_jax.costmodel.fused import _is_compute, fused_costs
-    from concerto_jax.hlo_taskgraph import op_info
+    from concerto_jax.costmodel import CostModel, get_cluster, is_kernel, op_info
+    from concerto_jax.costmodel.fused import fused_costs
     from hlo_passes.ir.loops import schedulable_computations
     from hlo_passes.ir.parser import parse_module
 
@@ -164,7 +163,7 @@ def per_computation(case, from_dump: str | None = None, dump_dir: str | None = N
     for comp in schedulable_computations(pre):
         fused = sum(fc.us.get(i.name, 0.0) for i in comp.instructions)
         unfused = sum(fc.unfused_us.get(i.name, 0.0) for i in comp.instructions)
-        xla_us = (sum(cm.compute_us(op_info(i)) for i in xla.computation(comp.name).instructions if _is_compute(i))
+        xla_us = (sum(cm.compute_us(op_info(i)) for i in xla.computation(comp.name).instructions if is_kernel(i))
                   if comp.name in names else "")
         rows.append({"case": case.name, "computation": comp.name, "unfused_us": round(unfused, 1),
                      "fused_us": round(fused, 1), "xla_us": round(xla_us, 1) if xla_us != "" else "",

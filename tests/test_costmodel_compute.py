@@ -96,7 +96,7 @@ def test_cpu_profile_of_a_small_program():
     import jax.numpy as jnp
     import numpy as np
 
-    from concerto_jax.costmodel.cpu import profile_module_on_cpu
+    from bench.cpu_validation import profile_module_on_cpu
     from hlo_passes.ir.parser import parse_module
 
     x = np.ones((128, 128), np.float32)

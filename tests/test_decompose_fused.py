@@ -10,12 +10,11 @@ import pytest
 
 import concerto_jax
 from concerto_jax import scheduler
-from concerto_jax.costmodel import CostModel, get_cluster
+from concerto_jax.costmodel import CostModel, get_cluster, op_info
 from concerto_jax.costmodel.fused import fused_costs
 from concerto_jax.decompose.cost import Calibration
 from concerto_jax.decompose.options import DecomposeOptions
 from concerto_jax.decompose.search import _copy, apply, find_candidates, trial_durations
-from concerto_jax.hlo_taskgraph import op_info
 from concerto_jax.passes.decompose_pass import decompose_pass
 from hlo_passes.ir.parser import parse_module
 

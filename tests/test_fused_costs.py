@@ -127,7 +127,7 @@ def test_build_taskgraph_durations_override(cm):
 
 
 def _info(inst):
-    from concerto_jax.hlo_taskgraph import op_info
+    from concerto_jax.costmodel import op_info
 
     return op_info(inst)
 

@@ -220,7 +220,7 @@ def test_async_compute_and_collective_kernel_pairs(text):
     if "sync" in hg.task_of:
         assert g.tasks[idx("sync")].is_collective and g.tasks[idx("sync")].duration_us == ars.duration_us
     # the flat cost of a loop around the pair counts the wrapped kernel, not the wrapper's tuple
-    from concerto_jax.hlo_taskgraph import op_info
+    from concerto_jax.costmodel import op_info
 
     module = hlo_passes.parse_module(text)
     start = next(i for i in module.entry.instructions if i.name == "dss")

@@ -899,7 +899,7 @@ def kernel_class(inst) -> str:
 
 def _predictions(final_text: str, cost_model) -> tuple[dict, dict, float]:
     """``({instruction: predicted us}, {instruction: class}, predicted step us)`` of a final module."""
-    from concerto_jax.hlo_taskgraph import op_info
+    from concerto_jax.costmodel import op_info
     from concerto_jax.judge import judge_module
     from hlo_passes.ir import parse_module
     from hlo_passes.ir.loops import schedulable_computations
