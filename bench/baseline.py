@@ -79,14 +79,14 @@ class CompiledCase:
     cluster: object  # concerto_jax.costmodel.Cluster
     cost_model: object  # CostModel of that cluster (default options)
     lowered: object  # the lowered train step (recompile it with other XLA options)
-    compiled: object  # concerto_jax.target.TargetCompile (final text, LHS dumps)
+    compiled: object  # concerto_jax.deviceless.TargetCompile (final text, LHS dumps)
 
 
 def model_case(case: BenchCase):
     """``case``'s train step (a ``models.Case``, abstract state/batch) on a deviceless mesh of its
     cluster, with its preset name and config."""
     from concerto_jax.costmodel import get_cluster
-    from concerto_jax.target import topology
+    from concerto_jax.deviceless import topology
     from models.layouts import make_mesh
     from models.registry import MODELS, make_case
 
@@ -100,7 +100,7 @@ def model_case(case: BenchCase):
 def compile_case(case: BenchCase) -> CompiledCase:
     """Build ``case``'s train step on a deviceless mesh of its cluster and compile it with LHS dumps."""
     from concerto_jax.costmodel import CostModel, get_cluster
-    from concerto_jax.target import CompileOptions, compile_lowered
+    from concerto_jax.deviceless import CompileOptions, compile_lowered
 
     cluster = get_cluster(case.cluster)
     mcase, preset, cfg = model_case(case)
@@ -112,7 +112,7 @@ def compile_case(case: BenchCase) -> CompiledCase:
 def _simulate_text(text: str, cost_model):
     from concerto_jax.hlo_taskgraph import build_taskgraph
     from concerto_jax.simulator import SimOptions, simulate
-    from hlo_passes.parser import parse_module
+    from hlo_passes.ir.parser import parse_module
 
     built = build_taskgraph(parse_module(text), cost_model)
     opts = SimOptions(overlap_slowdown=cost_model.options.overlap_slowdown)
@@ -130,6 +130,12 @@ def _strip_names(text: str) -> str:
 
 def run_case(case: BenchCase, options: BaselineOptions, *, export_trace: bool = False) -> dict:
     """Compile, build, simulate one case; returns a row of ``COLUMNS``."""
+    from concerto_jax.deviceless import (
+        CompileOptions,
+        compile_lowered,
+        costs_from_graph,
+        write_profile,
+    )
     from concerto_jax.simulator import (
         SimOptions,
         lower_bounds,
@@ -137,12 +143,6 @@ def run_case(case: BenchCase, options: BaselineOptions, *, export_trace: bool = 
         simulate_synchronous,
         write_chrome_trace,
         write_gantt,
-    )
-    from concerto_jax.target import (
-        CompileOptions,
-        compile_lowered,
-        costs_from_graph,
-        write_profile,
     )
     from models.registry import MODELS
 
@@ -338,7 +338,7 @@ def _validation_programs(names=None):
 
 
 def _validation_markdown(rows, command: str, setup: str, load: tuple, seconds: float, top: int) -> str:
-    from concerto_jax.costmodel.cpu import mean_abs_error_pct
+    from bench.cpu_validation import mean_abs_error_pct
 
     md = ["# CPU validation: simulated vs measured single-device programs", "",
           f"`{command}` ({seconds:.0f} s). {setup}",
@@ -412,7 +412,7 @@ def run_cpu_validation(out_dir: str = "bench/results", prefix: str = "baseline_c
       setup: how XLA:CPU was configured (threads, affinity), for the report.
       top: kernels listed per program in the per-kernel table.
     """
-    from concerto_jax.costmodel.cpu import validate_program
+    from bench.cpu_validation import validate_program
 
     t0 = time.perf_counter()
     load0 = os.getloadavg()

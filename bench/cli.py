@@ -89,7 +89,7 @@ def main(argv=None) -> int:
         # on it. On a shared 2-core machine a short kernel's best time then catches both cores free, a
         # long program's does not (the store underestimated transformer_block by ~50 % for that reason).
         # decompose-calibrate is not pinned: its slowdown probe runs two programs at once.
-        from concerto_jax.costmodel.cpu import pin_to_one_cpu
+        from bench.cpu_validation import pin_to_one_cpu
 
         core = pin_to_one_cpu()
         setup = (f"XLA:CPU single-threaded: process pinned to core {core} (one intra-op thread, no partitioned "
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
             cmd += " --system-malloc"
             setup += " glibc malloc as is."
         else:
-            from concerto_jax.costmodel.cpu import keep_freed_memory
+            from bench.cpu_validation import keep_freed_memory
 
             if keep_freed_memory():
                 setup += (" malloc keeps freed memory (mallopt M_MMAP_MAX=0, M_TRIM_THRESHOLD=1 GiB: temporaries "

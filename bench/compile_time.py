@@ -58,8 +58,8 @@ def _worker_target(kind: str, layout: str, layers: int, cache_dir: str) -> dict:
     import concerto_jax
     from bench.heldout_target import build
     from concerto_jax.costmodel import CostModel, get_cluster
-    from concerto_jax.target.compile import compile_lowered, lower_for_target
-    from concerto_jax.target.fidelity import judge_module
+    from concerto_jax.deviceless.compile import compile_lowered, lower_for_target
+    from concerto_jax.judge import judge_module
 
     step, params, opt_state, data, cluster = build(layout, layers)
     t0 = time.perf_counter()

@@ -3,7 +3,7 @@
 The fair comparison of ``docs/ARCHITECTURE.md`` F4. For each
 suite case (``bench.suite``):
 
-1. Deviceless GPU compile (``concerto_jax.target.compile_lowered``) with the
+1. Deviceless GPU compile (``concerto_jax.deviceless.compile_lowered``) with the
    dumps around ``latency-hiding-scheduler``. The module LHS *received*
    (fused kernels, async start/done pairs, the memory scheduler's order) is
    parsed and turned into ONE costed ``TaskGraph`` (``build_taskgraph``).
@@ -55,7 +55,7 @@ import time
 from collections.abc import Sequence
 
 from bench import concerto_report, suite
-from concerto_jax.xla_order import MappedOrder, map_order, order_by_priority
+from concerto_jax.judge import MappedOrder, map_order, order_by_priority
 
 log = logging.getLogger(__name__)
 
@@ -195,11 +195,12 @@ def compare(before_text: str | None, final_text: str, cost_model, options: Conce
       A ``Comparison`` whose ``row`` has the ``COLUMNS`` this function measures.
     """
     from concerto_jax.hlo_taskgraph import build_taskgraph
-    from concerto_jax.scheduler import ScheduleOptions, fuse_collectives, schedule
+    from concerto_jax.scheduler import ScheduleOptions, schedule
     from concerto_jax.scheduler.program_model import auto_resolution, solve_program
     from concerto_jax.scheduler.rcpsp import SchedulerError, SolverParams
     from concerto_jax.simulator import SimOptions, lower_bounds, simulate
-    from hlo_passes.parser import parse_module
+    from hlo_passes.fuse_collectives import fuse_collectives
+    from hlo_passes.ir.parser import parse_module
 
     row: dict = {}
     slow = cost_model.options.overlap_slowdown
@@ -239,10 +240,10 @@ def compare(before_text: str | None, final_text: str, cost_model, options: Conce
     # Memory limit (default: XLA's own order's peak under the scheduler's memory model), the
     # same for both starting orders, so the pre-LHS start cannot bring its own higher peak.
     from concerto_jax.scheduler import peak_memory as sched_peak
-    from concerto_jax.scheduler import simulate as sched_simulate
+    from concerto_jax.simulator import timeline
 
     def model_peak(events) -> int:
-        tl = sched_simulate(g, list(events))
+        tl = timeline(g, list(events))
         return sched_peak(g, tl.start, tl.end)
 
     xla_model_peak = model_peak(xla_events)

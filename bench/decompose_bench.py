@@ -134,8 +134,8 @@ def _stock_compile(c, cluster, xla: dict, windowed_einsum_mib: float | None = No
     """XLA's final module of the unmodified step at these XLA options and its simulated µs,
     judged as ``compile_for_target`` judges its stock column (one XLA compile, no passes)."""
     from concerto_jax.costmodel import CostModel
-    from concerto_jax.target.compile import CompileOptions, compile_lowered, lower_for_target
-    from concerto_jax.target.fidelity import measure
+    from concerto_jax.deviceless.compile import CompileOptions, compile_lowered, lower_for_target
+    from concerto_jax.judge import measure
 
     lowered = lower_for_target(c.step.trace(c.abstract_state, c.abstract_batch))
     tc = compile_lowered(lowered, cluster, CompileOptions(
@@ -172,7 +172,7 @@ def format_thresholds(chosen: dict) -> str:
 def _case_step(case):
     from bench.baseline import _config
     from concerto_jax.costmodel import get_cluster
-    from concerto_jax.target import topology
+    from concerto_jax.deviceless import topology
     from models.layouts import make_mesh
     from models.registry import MODELS, make_case
 
@@ -258,8 +258,8 @@ def run_case(case, final_module: bool = True, split_copies: str = "estimate",
     xla = dict(case.xla_options)
     row = {"case": case.name, "cluster": case.cluster}
     if not final_module:
+        from concerto_jax.deviceless.compile import CompileOptions, compile_lowered
         from concerto_jax.passes.decompose_pass import decompose_pass
-        from concerto_jax.target.compile import CompileOptions, compile_lowered
         from hlo_passes import parse_module
 
         lowered = c.step.trace(c.abstract_state, c.abstract_batch).lower()
@@ -314,11 +314,12 @@ def entry_peak_bytes(text: str, cost_model) -> int:
     scheduler's memory model: ``checker.peak_memory`` of the full-speed timeline)."""
     import hlo_passes
     from concerto_jax.hlo_taskgraph import build_taskgraph
-    from concerto_jax.scheduler import peak_memory, simulate
+    from concerto_jax.scheduler import peak_memory
+    from concerto_jax.simulator import timeline
 
     module = hlo_passes.parse_module(text)
     hg = build_taskgraph(module, cost_model, fold_aliases=False, computation=module.entry)
-    tl = simulate(hg.graph, hg.events)
+    tl = timeline(hg.graph, hg.events)
     return peak_memory(hg.graph, tl.start, tl.end)
 
 

@@ -4,7 +4,7 @@ For every suite case (``bench.suite``): ``concerto_jax.compile_for_target`` with
 ``Options(passes=("schedule",))``, deviceless for the case's cluster, by default on the
 backend-only path (our scheduler orders XLA's after-LHS module, XLA's backend compiles it
 as is; ``--via pin`` for the opt-barrier path). Columns (simulated us/step, one cost model,
-``concerto_jax.target.fidelity``): planned (backend-only: the module we handed XLA in its
+``concerto_jax.judge.fidelity``): planned (backend-only: the module we handed XLA in its
 order; pin: the pinned graph XLA runs with every collective's window opened as pinned),
 final (XLA's final module of our program), stock (XLA's final module of the original
 step), the overlap kept, the pins, the memory peak of XLA's and our order (scheduler's

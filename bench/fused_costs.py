@@ -1,6 +1,6 @@
 """Fusion-aware costs of the post-SPMD graph (``concerto_jax.costmodel.fused``) against XLA's fused module.
 
-For every suite case: one deviceless stock compile (``target.compile.compile_lowered`` with
+For every suite case: one deviceless stock compile (``deviceless.compile.compile_lowered`` with
 the post-SPMD and scheduled-module dumps), then, with one cost model:
 
 * the post-SPMD task graph (``build_taskgraph``) with the cost model's unfused per-op costs
@@ -57,7 +57,7 @@ def _texts(case, from_dump: str | None, dump_dir: str | None = None) -> tuple[st
         return pre, xla
     from bench.baseline import model_case
     from concerto_jax.costmodel import get_cluster
-    from concerto_jax.target.compile import CompileOptions, compile_lowered
+    from concerto_jax.deviceless.compile import CompileOptions, compile_lowered
 
     mcase, _, _ = model_case(case)
     lowered = mcase.lower()
@@ -94,7 +94,7 @@ def run_case(case, from_dump: str | None = None, rule: str = "anchor", dump_dir:
     from concerto_jax.costmodel import CostModel, get_cluster
     from concerto_jax.costmodel.fused import fused_costs
     from concerto_jax.hlo_taskgraph import build_taskgraph
-    from hlo_passes.parser import parse_module
+    from hlo_passes.ir.parser import parse_module
 
     t0 = time.perf_counter()
     pre_text, xla_text = _texts(case, from_dump, dump_dir)
@@ -149,11 +149,10 @@ def scanned_case():
 def per_computation(case, from_dump: str | None = None, dump_dir: str | None = None) -> list[dict]:
     """Fused post-SPMD compute vs XLA's kernels per schedulable computation (one run of each;
     computation names survive XLA's pipeline)."""
-    from concerto_jax.costmodel import CostModel, get_cluster
-    from concerto_jax.costmodel.fused import _is_compute, fused_costs
-    from concerto_jax.hlo_taskgraph import op_info
-    from hlo_passes.loops import schedulable_computations
-    from hlo_passes.parser import parse_module
+    from concerto_jax.costmodel import CostModel, get_cluster, is_kernel, op_info
+    from concerto_jax.costmodel.fused import fused_costs
+    from hlo_passes.ir.loops import schedulable_computations
+    from hlo_passes.ir.parser import parse_module
 
     pre_text, xla_text = _texts(case, from_dump, dump_dir)
     pre, xla = parse_module(pre_text), parse_module(xla_text)
@@ -164,7 +163,7 @@ def per_computation(case, from_dump: str | None = None, dump_dir: str | None = N
     for comp in schedulable_computations(pre):
         fused = sum(fc.us.get(i.name, 0.0) for i in comp.instructions)
         unfused = sum(fc.unfused_us.get(i.name, 0.0) for i in comp.instructions)
-        xla_us = (sum(cm.compute_us(op_info(i)) for i in xla.computation(comp.name).instructions if _is_compute(i))
+        xla_us = (sum(cm.compute_us(op_info(i)) for i in xla.computation(comp.name).instructions if is_kernel(i))
                   if comp.name in names else "")
         rows.append({"case": case.name, "computation": comp.name, "unfused_us": round(unfused, 1),
                      "fused_us": round(fused, 1), "xla_us": round(xla_us, 1) if xla_us != "" else "",

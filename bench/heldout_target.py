@@ -172,7 +172,7 @@ def compile_layout(layout: str, layers: int):
 def run_layout(layout: str, layers: int) -> dict:
     """One layout through ``compile_for_target`` at the defaults; a row of ``COLUMNS``."""
     from concerto_jax.costmodel import CostModel, get_cluster
-    from concerto_jax.target.fidelity import judge_module
+    from concerto_jax.judge import judge_module
 
     t0 = time.perf_counter()
     res, cluster = compile_layout(layout, layers)

@@ -29,7 +29,7 @@ from collections.abc import Callable
 log = logging.getLogger("make_hlo_corpus")
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-TARGET = REPO / "concerto_jax" / "targets" / "h100_sxm.txtpb"
+TARGET = REPO / "concerto_jax" / "gpu_configs" / "h100_sxm.txtpb"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,7 +265,7 @@ def capture_gpu(case: Case) -> dict[str, str]:
     """Final, before-LHS and after-LHS modules of a deviceless H100x8 compile."""
     from jax.experimental import topologies
 
-    from concerto_jax.target import require_gpu_plugin
+    from concerto_jax.deviceless import require_gpu_plugin
 
     require_gpu_plugin()  # registers the CUDA plugin where it lives (site-packages or private)
     topo = topologies.get_topology_desc(

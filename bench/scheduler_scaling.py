@@ -25,9 +25,9 @@ import random
 import sys
 import time
 
-from concerto_jax.scheduler.evaluate import lower_bound
 from concerto_jax.scheduler.oddeven import OddEvenOptions
 from concerto_jax.scheduler.schedule import ScheduleOptions, schedule
+from concerto_jax.simulator import lower_bounds
 from concerto_jax.taskgraph import CollectiveInfo, Task, TaskGraph, TaskKind
 
 logger = logging.getLogger("bench.scheduler_scaling")
@@ -112,7 +112,7 @@ def run_case(n: int, block_size: int, rounds: int, seed: int, budget: float | No
                            odd_even=OddEvenOptions(block_size=block_size, rounds=rounds,
                                                    seed=seed, time_budget_s=budget))
     res = schedule(g, opts, initial=initial)
-    lb = lower_bound(g)
+    lb = lower_bounds(g).bound_us
     st = res.stats
     return Row(len(g), block_size, rounds, res.input_makespan_us, st["heuristic_makespan_us"],
                st["heuristic_justified_makespan_us"], res.makespan_us, lb,

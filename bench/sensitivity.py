@@ -53,7 +53,7 @@ def variants() -> dict:
 def judge_both(stock_text: str, ours_text: str, cluster: str) -> dict[str, float]:
     """Variant -> stock µs / ours µs under that judge."""
     from concerto_jax.costmodel import CostModel, get_cluster
-    from concerto_jax.target.fidelity import judge_module
+    from concerto_jax.judge import judge_module
 
     out = {}
     for name, opts in variants().items():

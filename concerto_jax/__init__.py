@@ -12,11 +12,11 @@ Pipeline (one stage per module)::
       v
     OptimizedStep: called like the original step; .report() says what was done
 
-    Target GPU cluster, deviceless (target/program.py: compile_for_target)::
+    Target GPU cluster, deviceless (deviceless/program.py: compile_for_target)::
 
       stock compile for the target -> passes that rewrite the program (post-SPMD module)
       -> XLA's pipeline up to its scheduler -> "schedule" on XLA's scheduled module
-      (target/native.py) -> XLA's backend only, through the PJRT C API (target/pjrt_c.py):
+      (deviceless/reschedule.py) -> XLA's backend only, through the PJRT C API (deviceless/pjrt_c.py):
       XLA's final module keeps our order
 
 Public API: ``optimize``, ``Options``, ``OptimizedStep``, ``Report``,
@@ -27,11 +27,11 @@ with planned/final/stock step times; ``TargetResult``).
 """
 
 from concerto_jax.api import ConcertoFallbackWarning, FirstStepMismatch, OptimizedStep, optimize
+from concerto_jax.deviceless.compile import target_mesh
+from concerto_jax.deviceless.program import TargetFallbackWarning, TargetResult, compile_for_target
 from concerto_jax.jax_compat import UnsupportedJaxVersion
 from concerto_jax.options import Options
 from concerto_jax.report import Report
-from concerto_jax.target.compile import target_mesh
-from concerto_jax.target.program import TargetFallbackWarning, TargetResult, compile_for_target
 
 __all__ = ["ConcertoFallbackWarning", "FirstStepMismatch", "OptimizedStep", "Options", "Report",
            "TargetFallbackWarning", "TargetResult", "UnsupportedJaxVersion", "compile_for_target",

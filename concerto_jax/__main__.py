@@ -19,6 +19,21 @@ import logging
 import os
 import sys
 import time
+from importlib import metadata
+
+# ``python -m concerto_jax`` has imported the package, and so JAX, before this module runs;
+# importing does not start a backend, ``main`` configures the platform before any does.
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType
+
+from concerto_jax.api import optimize
+from concerto_jax.demo.gpt import GPTConfig, train_step
+from concerto_jax.demo.timeline import simulate_module, write_comparison
+from concerto_jax.deviceless.compile import target_mesh
+from concerto_jax.deviceless.program import compile_for_target
+from concerto_jax.options import Options
 
 log = logging.getLogger("concerto_jax.main")
 
@@ -27,21 +42,14 @@ TARGET = "h100_sxm_8"
 
 def _cpu_step(args) -> bool:
     """Part 1; False when the optimised step differs from the original beyond its tolerance."""
-    import jax
-    import numpy as np
-    from jax.sharding import AxisType
-
-    import concerto_jax
-    from concerto_jax.demo.gpt import GPTConfig, train_step
-
     cfg = GPTConfig()
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     built = train_step(cfg, mesh)
     print(f"1. optimize: GPT train step on 8 CPU devices, data 2 x model 4 ({cfg.num_layers} layers, "
           f"hidden {cfg.hidden}, fp32, AdamW)")
-    options = concerto_jax.Options(passes=("decompose", "schedule"))
+    options = Options(passes=("decompose", "schedule"))
     print(f"   passes {' + '.join(options.passes)}; {args.steps} steps against plain jax.jit:")
-    step = concerto_jax.optimize(built.step, options)
+    step = optimize(built.step, options)
     batch = built.example_batch(0)
     ref_state, opt_state = built.init_state(0), built.init_state(0)
     log.info("compiling the plain and the optimised step (capture, passes, XLA compile)")
@@ -79,12 +87,6 @@ def _cpu_step(args) -> bool:
 
 def _target_step(args) -> None:
     """Part 2 and 3."""
-    import jax.numpy as jnp
-
-    import concerto_jax
-    from concerto_jax.demo.gpt import GPTConfig, train_step
-    from concerto_jax.demo.timeline import simulate_module, write_comparison
-
     if args.quick:
         cfg = GPTConfig(vocab_size=4096, hidden=512, num_layers=1, num_heads=8, seq_len=256,
                         batch_size=8, dtype=jnp.bfloat16)
@@ -92,7 +94,7 @@ def _target_step(args) -> None:
         cfg = GPTConfig(vocab_size=32000, hidden=2048, num_layers=args.layers, num_heads=16,
                         seq_len=1024, batch_size=16, dtype=jnp.bfloat16)
     try:
-        mesh = concerto_jax.target_mesh(TARGET, (1, 8), ("data", "model"))
+        mesh = target_mesh(TARGET, (1, 8), ("data", "model"))
     except ImportError as e:  # the CUDA plugin is missing: the message says how to install it
         print(f"2. skipped: compiling for a GPU cluster without a GPU needs the CUDA plugin ({e})")
         return
@@ -101,10 +103,10 @@ def _target_step(args) -> None:
           f"{cfg.batch_size}x{cfg.seq_len} tokens, bf16)")
     print("   compiled by XLA for 8x H100 SXM on this CPU machine, no GPU")
     # combine_thresholds=(): no search over XLA's combine thresholds (one XLA compile each).
-    options = concerto_jax.Options(passes=("decompose", "schedule"), combine_thresholds=())
+    options = Options(passes=("decompose", "schedule"), combine_thresholds=())
     log.info("compile_for_target(%s): stock compile, decompose, schedule, XLA backend", TARGET)
     t0 = time.perf_counter()
-    res = concerto_jax.compile_for_target(built.step, *built.abstract_inputs, target=TARGET,
+    res = compile_for_target(built.step, *built.abstract_inputs, target=TARGET,
                                           options=options)
     seconds = time.perf_counter() - t0
     cached = "plan_cache" in res.seconds
@@ -152,8 +154,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("concerto_jax").setLevel(logging.INFO if args.verbose else logging.WARNING)
     log.setLevel(logging.INFO)
-    import jax
-
     # `python -m concerto_jax` imported JAX (through the package) before this line ran, so the
     # environment variable would come too late: set the platform through the config instead,
     # before any backend starts. CPU only: the GPU plugin is used deviceless, for targets.
@@ -170,8 +170,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _version() -> str:
-    from importlib import metadata
-
     try:
         return metadata.version("concerto_jax")
     except metadata.PackageNotFoundError:

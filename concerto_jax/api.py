@@ -283,11 +283,11 @@ class OptimizedStep:
             if not self.options.fallback:
                 raise
             return self._fallback(str(e), name, len(jax.devices()), "")
-        from concerto_jax import gpu_executor
+        from concerto_jax.gpu_route import route
 
-        backend = gpu_executor.backend_for(_platform_of(args, kwargs))
+        backend = route.backend_for(_platform_of(args, kwargs))
         if backend is not None:  # GPUs: our order compiled by XLA's backend only, loaded into JAX
-            return gpu_executor.build_entry(self, args, kwargs, options, note, backend)
+            return route.build_entry(self, args, kwargs, options, note, backend)
         cache = plan_cache.open_step(self._fn, args, kwargs, options)
         cap, result, failure, timings = self._run_pipeline(args, kwargs, options, cache=cache)
         unverified = ""

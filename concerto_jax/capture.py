@@ -15,7 +15,7 @@ The dump recipe was checked on jax 0.11.2 and 0.12.0.1 (pass names in
 ``concerto_jax.jax_compat``). From XLA 0.12 the post-partitioning module no longer carries
 the entry parameters' ``sharding`` attributes; they are copied from the partitioner's input
 (the same dump's ``before_spmd-partitioning`` module, :func:`restore_parameter_shardings`),
-since what each device holds of a parameter is what ``hlo_passes.uniformity`` proves
+since what each device holds of a parameter is what ``hlo_passes.ir.uniformity`` proves
 replication from.
 """
 

@@ -29,8 +29,8 @@ import dataclasses
 import re
 from collections.abc import Callable
 
-import hlo_passes
 from concerto_jax import jax_compat
+from hlo_passes.ir import HloModule
 
 __all__ = ["CustomCallInfo", "UnsupportedCustomCall", "check_carryable", "custom_calls"]
 
@@ -52,7 +52,7 @@ class CustomCallInfo:
 _INDEX_RE = re.compile(r"\bindex\s*=\s*(\d+)")
 
 
-def custom_calls(module: hlo_passes.HloModule) -> list[CustomCallInfo]:
+def custom_calls(module: HloModule) -> list[CustomCallInfo]:
     """Every custom call of ``module`` (all computations), in program order."""
     out = []
     for inst in module.instructions():
@@ -105,7 +105,7 @@ RULES: dict[str, Rule] = {
 """Rules by custom-call target; targets not listed get ``_registered``."""
 
 
-def check_carryable(module: hlo_passes.HloModule, *, n_callbacks: int, platform: str) -> int:
+def check_carryable(module: HloModule, *, n_callbacks: int, platform: str) -> int:
     """Check that every custom call of ``module`` can be carried into a recompile.
 
     Args:

@@ -22,10 +22,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import hlo_passes
 from concerto_jax import jax_compat
 from concerto_jax.custom_calls import check_carryable
-from hlo_passes.rewrites import cpu_divide_by_broadcast
+from hlo_passes.cpu_compensation import cpu_divide_by_broadcast
+from hlo_passes.ir import module_to_text, parse_module
 
 log = logging.getLogger(__name__)
 
@@ -91,16 +91,16 @@ def compensate_round_trip(hlo_text: str, platform: str) -> str:
     Our module reaches XLA through HLO -> StableHLO -> HLO, and the last step runs
     MLIR canonicalisation, which folds reshape/broadcast chains the SPMD
     partitioner left. XLA:CPU's ``A / broadcast(B)`` rewrite depends on those
-    chains (see ``hlo_passes.rewrites.cpu_divide_by_broadcast``), so on CPU it is
+    chains (see ``hlo_passes.cpu_compensation.cpu_divide_by_broadcast``), so on CPU it is
     applied here, before the conversion. Returns ``hlo_text`` unchanged when
     there is nothing to do.
     """
     if platform != "cpu" or " divide(" not in hlo_text:
         return hlo_text
-    module = hlo_passes.parse_module(hlo_text, source="emitted")
+    module = parse_module(hlo_text, source="emitted")
     if not cpu_divide_by_broadcast(module):
         return hlo_text
-    return hlo_passes.module_to_text(module)
+    return module_to_text(module)
 
 
 def replicated_compile_options(devices, env: Mapping[str, Any] | None = None):
@@ -136,7 +136,7 @@ def compile_replicated(hlo_text: str, device_list, *,
     if " custom-call(" in hlo_text:
         # Refuse what the recompile could not run (before XLA sees it: a missing host
         # callback is a segmentation fault at run time, not an error).
-        check_carryable(hlo_passes.parse_module(hlo_text, source="emitted"),
+        check_carryable(parse_module(hlo_text, source="emitted"),
                         n_callbacks=len(host_callbacks), platform=devices[0].platform)
     module = parse_with_xla(compensate_round_trip(hlo_text, devices[0].platform))
     mlir = jax_compat.hlo_to_stablehlo(module)
@@ -166,7 +166,7 @@ def check_signature(captured_text: str, module_text: str) -> None:
     changed the signature must be caught here.
     """
     def signature(text: str, source: str):
-        entry = hlo_passes.parse_module(text, source=source).entry
+        entry = parse_module(text, source=source).entry
         return [str(p.shape) for p in entry.parameters], str(entry.root.shape)
 
     want, got = signature(captured_text, "captured"), signature(module_text, "emitted")

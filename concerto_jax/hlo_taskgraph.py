@@ -28,7 +28,7 @@ defined before use), so the same function gives program order.
 
 Any computation that runs as a sequence of kernels can be built, not only the
 entry (``computation=``): ``while`` bodies and conditions, ``conditional``
-branches, ``call`` targets (``hlo_passes.loops.schedulable_computations``). A
+branches, ``call`` targets (``hlo_passes.ir.loops.schedulable_computations``). A
 control-flow instruction (``while``/``conditional``/``call``) is one compute
 task whose duration comes from its callees' own schedules (``nested_us``,
 computed bottom-up by ``control_flow_durations``: a while costs
@@ -46,15 +46,18 @@ import logging
 import re
 from collections.abc import Callable, Mapping
 
-from concerto_jax.costmodel.compute import ArrayInfo, OpInfo
+from concerto_jax.costmodel.hlo_ops import array_leaves, op_info
 from concerto_jax.costmodel.model import CostModel
 from concerto_jax.taskgraph import CollectiveInfo, Event, Phase, Task, TaskGraph, TaskKind
-from hlo_passes.loops import LoopInfo, analyze_while, control_flow_callees
+from hlo_passes.ir import (
+    ALIAS_OPCODES,
+    LoopInfo,
+    analyze_while,
+    control_flow_callees,
+    device_groups,
+)
 
 log = logging.getLogger(__name__)
-
-ALIAS_OPCODES = frozenset({"bitcast", "get-tuple-element", "tuple", "opt-barrier"})
-"""Opcodes that only alias their operands' buffers."""
 
 _SYNC_COLLECTIVES = frozenset({"all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                                "collective-permute", "collective-broadcast", "ragged-all-to-all"})
@@ -85,42 +88,6 @@ class HloTaskGraph:
     loop: LoopInfo | None = None
 
 
-def _leaves(shape) -> tuple[ArrayInfo, ...]:
-    if shape.is_tuple:
-        return tuple(a for e in shape.elements for a in _leaves(e))
-    if shape.dtype in ("token", "opaque"):
-        return ()
-    return (ArrayInfo(shape.dtype, tuple(max(d, 0) for d in shape.dims)),)
-
-
-def op_info(inst, _cache: dict | None = None) -> OpInfo:
-    """The cost model's view (``OpInfo``) of an ``hlo_passes`` instruction, called computations included.
-
-    The start of an async compute pair (XLA >= 0.11 wraps e.g. the dynamic-slice fusions of a
-    loop body: ``async-start(...), calls=%async_computation`` before its post-scheduling
-    pipelines, ``fusion-start(...), kind=kLoop, calls=%fused_...`` after them) is seen as
-    the kernel it launches: its wrapped op (named as the start), its result the wrapped op's
-    (element 1 of the start's tuple; element 0 holds the operands, the last the context).
-    Its done launches nothing (``costmodel.compute.FREE_OPCODES``).
-    """
-    cache = {} if _cache is None else _cache
-    wrapped = _async_compute_op(inst)
-    if wrapped is not None:
-        return dataclasses.replace(op_info(wrapped, cache), name=inst.name)
-    if inst.opcode == "fusion-start" and inst.shape.is_tuple and len(inst.shape.elements) >= 2:
-        info = _op_info(inst, cache)
-        return dataclasses.replace(info, opcode="fusion", result=_leaves(inst.shape.elements[1]))
-    return _op_info(inst, cache)
-
-
-def _async_compute_op(inst):
-    """The op the generic ``async-start`` of a non-collective async pair runs, or None."""
-    if inst.opcode != "async-start" or inst.collective_kind is not None:
-        return None
-    wrapped = inst.async_wrapped
-    return None if wrapped is None or wrapped is inst else wrapped
-
-
 def _is_async_compute_done(inst) -> bool:
     """Whether ``inst`` is the done (or an update) of an async compute pair (``async-start`` of a
     non-collective op, ``fusion-start``)."""
@@ -128,34 +95,6 @@ def _is_async_compute_done(inst) -> bool:
         return False
     start = inst.async_start()
     return start is not None and start.opcode in ("async-start", "fusion-start")
-
-
-def _op_info(inst, cache: dict) -> OpInfo:
-    called: dict[str, tuple[OpInfo, ...]] = {}
-    for key, value in inst.attrs.items():
-        comps = value if isinstance(value, list) else [value]
-        if comps and all(hasattr(c, "instructions") for c in comps):
-            called[key] = tuple(o for c in comps for o in _computation_infos(c, cache))
-    attrs = {k: v for k, v in inst.attrs.items() if isinstance(v, str)}
-    if inst.custom_call_target is not None:
-        attrs["custom_call_target"] = inst.custom_call_target
-    return OpInfo(
-        name=inst.name, opcode=inst.opcode, result=_leaves(inst.shape),
-        operands=tuple(_leaves(o.shape) for o in inst.operands), attrs=attrs, called=called,
-        parameter_number=-1 if inst.parameter_number is None else inst.parameter_number,
-    )
-
-
-def _computation_infos(comp, cache: dict) -> tuple[OpInfo, ...]:
-    if comp.name in cache:
-        return cache[comp.name]
-    index = {inst.name: i for i, inst in enumerate(comp.instructions)}
-    out = []
-    for inst in comp.instructions:
-        info = op_info(inst, cache)
-        out.append(dataclasses.replace(info, operand_ids=tuple(index[o.name] for o in inst.operands)))
-    cache[comp.name] = tuple(out)
-    return cache[comp.name]
 
 
 def _collective_of(inst):
@@ -166,18 +105,10 @@ def _collective_of(inst):
 
 def _payload_bytes(kind: str, start, done) -> int:
     if kind == "all-gather":
-        leaves = _leaves(done.shape)
+        leaves = array_leaves(done.shape)
         return leaves[-1].bytes if leaves else 0
     coll = _collective_of(start)
-    return sum(a.bytes for o in coll.operands for a in _leaves(o.shape))
-
-
-def _groups(coll, num_devices: int) -> list[list[int]]:
-    pairs = coll.source_target_pairs
-    if pairs is not None:
-        return [list(p) for p in pairs] or [[0]]
-    groups = coll.replica_groups
-    return groups if groups else [list(range(num_devices))]
+    return sum(a.bytes for o in coll.operands for a in array_leaves(o.shape))
 
 
 def default_stream(kind: str) -> int:
@@ -362,7 +293,7 @@ def kernel_strategy(coll) -> str | None:
 
 def _costed_collective(task: Task, kind: str, start, done, cost_model: CostModel, num_devices: int) -> Task:
     coll = _collective_of(start)
-    groups = _groups(coll, num_devices)
+    groups = device_groups(coll, num_devices)
     nbytes = _payload_bytes(kind, start, done)
     if kind == "all-reduce" and start.is_collective_kernel:
         # XLA:GPU's Triton all-reduce kernel (jaxlib >= 0.11), not NCCL
@@ -371,7 +302,7 @@ def _costed_collective(task: Task, kind: str, start, done, cost_model: CostModel
         cost = cost_model.collective(kind, nbytes, groups)
     hosts = {cost_model.cluster.host_of(d) for g in groups[:1] for d in g if d < cost_model.cluster.num_devices}
     key = (tuple(tuple(g) for g in groups), coll.attrs.get("to_apply").name if hasattr(coll.attrs.get("to_apply"), "name") else "",
-           _leaves(done.shape)[-1].dtype if _leaves(done.shape) else "")
+           array_leaves(done.shape)[-1].dtype if array_leaves(done.shape) else "")
     info = CollectiveInfo(kind, nbytes, max((len(g) for g in groups), default=1), key, len(hosts) > 1)
-    out_bytes = sum(a.bytes for a in _leaves(done.shape))
+    out_bytes = sum(a.bytes for a in array_leaves(done.shape))
     return dataclasses.replace(task, duration_us=cost.time_us, collective=info, out_bytes=out_bytes)

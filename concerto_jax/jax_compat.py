@@ -4,7 +4,7 @@ Everything private that the package uses of JAX (``jax._src``), jaxlib (``_jax``
 ``_hlo``, ``xla_client``) and XLA (dump pass names, the IFRT serialization header) goes
 through this module, so that a JAX upgrade is checked in one file. Each function names
 the versions its path was checked on. The PJRT C API of the CUDA plugin is driven by
-``concerto_jax.target.pjrt_c``, which checks the API version and table size the plugin
+``concerto_jax.deviceless.pjrt_c``, which checks the API version and table size the plugin
 reports and reads function pointers by the header's (append-only) layout.
 
 Supported: jax/jaxlib from ``MIN_VERSION`` up to, not including, ``NEXT_UNCHECKED``
@@ -443,12 +443,12 @@ def split_ifrt_blob(blob: bytes) -> tuple[bytes, bytes]:
         raise ValueError(f"not a serialized executable: its first {n} bytes are no IFRT header "
                          f"({e}); expected a varint-delimited SerializedXlaExecutableMetadata "
                          "followed by the PJRT executable's bytes (raw PJRT bytes must be put "
-                         "behind a step's header: gpu_executor.load_payload)") from None
+                         "behind a step's header: gpu_route.load_payload)") from None
     runtime = [v for k, w, v in fields if k == 2 and w == 2]
     if runtime != [IFRT_RUNTIME_NAME]:
         raise ValueError(f"not a serialized executable: its header names runtime {runtime[:1]!r}, "
                          f"expected {IFRT_RUNTIME_NAME!r} (raw PJRT bytes must be put behind a "
-                         "step's header: gpu_executor.load_payload)")
+                         "step's header: gpu_route.load_payload)")
     return blob[:n], blob[n:]
 
 

@@ -7,8 +7,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from concerto_jax.costmodel.cluster import CLUSTERS
 from concerto_jax.decompose.options import DecomposeOptions
 from concerto_jax.scheduler import ScheduleOptions
+from hlo_passes.registry import pass_names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,7 +23,7 @@ class Options:
     """
 
     # Passes, in pipeline order; the accepted names are those of
-    # concerto_jax.pipeline.PASS_TABLE: "decompose" (split the computation around
+    # hlo_passes.registry.PASS_TABLE: "decompose" (split the computation around
     # critical collectives; put it before "schedule"), "schedule" (RCPSP order of the
     # program), "fuse_collectives" (merge fusible collectives into one,
     # fused size chosen by the cost model), "pin" (opt-barriers that keep each
@@ -104,7 +106,7 @@ class Options:
     # record says which, with both peaks). "input": never above the peak of XLA's order
     # (Options.scheduler's limit alone). With "xla" and control flow, each computation
     # plans within its share of the budget (entry 1/2, a loop body 1/4, nested 1/8, ...:
-    # ``passes.schedule_pass.budget_share``), never below its input order's peak.
+    # ``judge.budget_share``), never below its input order's peak.
     memory_budget: str = "xla"
     # Persistent plan cache (concerto_jax.plan_cache): a second compile of the same step (same
     # lowered program, devices or target, plan-changing options, versions) reuses the plan and,
@@ -114,8 +116,6 @@ class Options:
     cache_dir: str | os.PathLike | None = "auto"
 
     def __post_init__(self):
-        from concerto_jax.pipeline import pass_names
-
         if isinstance(self.passes, str):
             raise TypeError(f"passes must be a tuple of pass names, got the string {self.passes!r}; "
                             f"write passes=({self.passes!r},)")
@@ -123,8 +123,6 @@ class Options:
         unknown = [p for p in self.passes if p not in known]
         if unknown:
             raise ValueError(f"unknown pass name(s) {unknown}; expected some of {sorted(known)}")
-        from concerto_jax.costmodel import CLUSTERS
-
         if self.target not in CLUSTERS:
             raise ValueError(f"unknown target {self.target!r}; expected one of {sorted(CLUSTERS)}")
         if any(not isinstance(b, int) or b < 0 for b in self.combine_thresholds):
@@ -155,7 +153,7 @@ XLA's scheduler keeps its overlap windows."""
 
 GPU_ROUTE_PASSES: tuple[str, ...] = ("decompose", "schedule")
 """The passes ``optimize`` is meant to run by default on GPUs, on the GPU route
-(``concerto_jax.gpu_executor``: our order of XLA's own scheduled module, compiled by XLA's
+(``concerto_jax.gpu_route``: our order of XLA's own scheduled module, compiled by XLA's
 backend only and loaded behind the step's header), with the first-step check on (the default
 ``check_first_step="auto"``: wherever a copy of the inputs fits; ``decompose`` only runs where
 the check does). Turn them on with ``Options(passes=GPU_ROUTE_PASSES)``."""

@@ -1,8 +1,8 @@
 """The pass pipeline between capture and execution: parse -> verify -> passes -> emit.
 
 Each pass is a function ``(module, options) -> PassOutcome`` listed by name in
-``PASS_TABLE`` (loaded lazily into ``PASSES``). The pipeline verifies the IR after parsing and after each
-pass (``Options.verify``), rewrites ``partition-id`` into ``replica-id`` so the
+``hlo_passes.registry.PASS_TABLE`` (loaded lazily into ``PASSES``). The pipeline verifies
+the IR after parsing and after each pass (``Options.verify``), rewrites ``partition-id`` into ``replica-id`` so the
 module can run as a replicated program (see ``concerto_jax.executor``), prints
 the module, and checks that XLA's own parser accepts it.
 """
@@ -10,112 +10,18 @@ the module, and checks that XLA's own parser accepts it.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 import time
-from collections.abc import Callable, Iterator, MutableMapping
 
-import hlo_passes
 from concerto_jax.executor import parse_with_xla
 from concerto_jax.options import Options
 from concerto_jax.report import PassRecord, count_collectives
-from hlo_passes.rewrites import spmd_to_replicated
+from hlo_passes.as_replicas import partition_id_to_replica_id, spmd_to_replicated
+from hlo_passes.ir import HloError, HloModule, module_to_text, parse_module, verify
+from hlo_passes.registry import PASSES
 from hlo_passes.upcast import upcast_floats
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class PassOutcome:
-    """What a pass reports: whether it changed the module, and its statistics.
-
-    ``tolerance`` is the relative difference from the original's outputs that the
-    pass allows (0: bitwise; a pass that reassociates sums declares its bound).
-    ``Options.check_first_step`` compares within the largest declared tolerance.
-    """
-
-    changed: bool
-    stats: dict = dataclasses.field(default_factory=dict)
-    tolerance: float = 0.0
-
-
-PassFn = Callable[[hlo_passes.HloModule, Options], PassOutcome]
-
-PASS_TABLE: dict[str, str] = {
-    # name -> "module:function". One line registers a pass: ``Options.passes`` accepts
-    # exactly these names (plus any added at run time by ``register_pass``), and the
-    # module is imported only when the pass runs (no pipeline <-> passes import cycle).
-    "pipeline_loops": "concerto_jax.passes.pipeline_pass:pipeline_loops_pass",  # before schedule
-    "decompose": "concerto_jax.passes.decompose_pass:decompose_pass",
-    "schedule": "concerto_jax.passes.schedule_pass:schedule_pass",
-    "fuse_collectives": "concerto_jax.passes.fuse_pass:fuse_pass",
-    "pin": "concerto_jax.passes.pin_pass:pin_pass",
-}
-"""The entry table of the passes, owned by the pipeline."""
-
-
-class PassRegistry(MutableMapping):
-    """Passes by name: the entry table, loaded lazily, plus passes registered at run time.
-
-    ``registry[name]`` imports the pass named in ``PASS_TABLE`` on first use;
-    ``name in registry`` and iteration list every known name without importing.
-    Assigning (``registry[name] = fn``, or ``monkeypatch.setitem`` in tests) overrides.
-    """
-
-    def __init__(self, table: dict[str, str]):
-        self._table = table
-        self._loaded: dict[str, PassFn] = {}
-
-    def __getitem__(self, name: str) -> PassFn:
-        if name not in self._loaded:
-            if name not in self._table:
-                raise KeyError(f"pass {name!r} is not registered (known: {sorted(self)})")
-            module_name, _, attr = self._table[name].partition(":")
-            self._loaded[name] = getattr(importlib.import_module(module_name), attr)
-        return self._loaded[name]
-
-    def __setitem__(self, name: str, fn: PassFn) -> None:
-        self._loaded[name] = fn
-
-    def __delitem__(self, name: str) -> None:
-        if name in self._table and name in self._loaded:
-            del self._loaded[name]  # back to the table's entry
-        elif name in self._loaded:
-            del self._loaded[name]
-        else:
-            raise KeyError(name)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._table or name in self._loaded
-
-    def __iter__(self) -> Iterator[str]:
-        yield from self._table
-        yield from (n for n in self._loaded if n not in self._table)
-
-    def __len__(self) -> int:
-        return len(set(self._table) | set(self._loaded))
-
-
-PASSES: PassRegistry = PassRegistry(PASS_TABLE)
-"""Registered passes by name (``Options.passes`` picks from these)."""
-
-
-def pass_names() -> tuple[str, ...]:
-    """Every pass name ``Options.passes`` accepts, in table order."""
-    return tuple(PASSES)
-
-
-def register_pass(name: str) -> Callable[[PassFn], PassFn]:
-    """Decorator that registers (or overrides) a pass under ``name`` at run time.
-
-    Passes of the library are listed in ``PASS_TABLE`` instead (loaded lazily).
-    """
-
-    def deco(fn: PassFn) -> PassFn:
-        PASSES[name] = fn
-        return fn
-
-    return deco
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,13 +48,13 @@ class PipelineResult:
         return cls(**data)
 
 
-def _replicated_text(module: hlo_passes.HloModule) -> str:
+def _replicated_text(module: HloModule) -> str:
     """The module as the executor compiles it: partitions as replicas (``spmd_to_replicated``)."""
     if module.replica_count == 1 and module.num_partitions > 1:
         spmd_to_replicated(module)
     else:  # a one-device program: nothing to translate but partition-id
-        hlo_passes.partition_id_to_replica_id(module)
-    return hlo_passes.module_to_text(module)
+        partition_id_to_replica_id(module)
+    return module_to_text(module)
 
 
 def wider_text(hlo_text: str) -> tuple[str, dict[str, str]]:
@@ -159,9 +65,9 @@ def wider_text(hlo_text: str) -> tuple[str, dict[str, str]]:
       hlo_passes.HloError: the module cannot be widened (``UpcastError`` says why) or parsed.
       concerto_jax.executor.ExecutorError: XLA's parser rejected the widened text.
     """
-    module = hlo_passes.parse_module(hlo_text, source="captured")
+    module = parse_module(hlo_text, source="captured")
     mapping = upcast_floats(module)
-    hlo_passes.verify(module)
+    verify(module)
     text = _replicated_text(module)
     parse_with_xla(text)
     return text, mapping
@@ -177,16 +83,16 @@ def run(hlo_text: str, options: Options) -> PipelineResult:
     """
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    module = hlo_passes.parse_module(hlo_text, source="captured")
+    module = parse_module(hlo_text, source="captured")
     elided = [i.name for i in module.instructions()
               if i.opcode == "constant" and (i.literal or "").strip() == "{...}"]
     if elided:
-        raise hlo_passes.HloError(
+        raise HloError(
             f"the captured module elides the value of {len(elided)} constants (%{elided[0]} is "
             "'{...}'); expected a dump written with xla_dump_large_constants=true (XLA prints "
             "constants of more than a few elements as '{...}' otherwise)")
     if options.verify:
-        hlo_passes.verify(module)
+        verify(module)
     timings["parse"] = time.perf_counter() - t0
 
     entry = module.entry
@@ -201,7 +107,7 @@ def run(hlo_text: str, options: Options) -> PipelineResult:
         t = time.perf_counter()
         outcome = fn(module, options)
         if options.verify:
-            hlo_passes.verify(module)
+            verify(module)
         records.append(PassRecord(name, outcome.changed, time.perf_counter() - t, outcome.stats,
                                   outcome.tolerance))
         log.info("pass %s: changed=%s %s", name, outcome.changed, outcome.stats)

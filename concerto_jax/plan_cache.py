@@ -24,7 +24,7 @@ Under ``jax.distributed`` every process captures as without a cache; process 0 a
 writes the cache inside ``multiprocess.leader_decides`` (a hit only if the stored captured
 module is the one it captured), every process verifies a plan that came from the cache, and
 all fall back together if any cannot. Executables are not cached there. A pass registered at
-run time (not ``pipeline.PASS_TABLE``'s own) turns the cache off for that compile.
+run time (not ``hlo_passes.registry.PASS_TABLE``'s own) turns the cache off for that compile.
 """
 
 from __future__ import annotations
@@ -42,10 +42,9 @@ from typing import Any
 
 import jax
 
-import hlo_passes
 from concerto_jax import capture as capture_lib
 from concerto_jax import jax_compat, multiprocess, pipeline
-from concerto_jax.gpu_executor import payload_device_count
+from concerto_jax.gpu_route.route import payload_device_count
 from concerto_jax.plan_keys import (
     canonical,
     code_part,
@@ -56,6 +55,7 @@ from concerto_jax.plan_keys import (
 )
 from concerto_jax.plan_store import PlanStore, key_of, resolve_dir
 from concerto_jax.report import PassRecord
+from hlo_passes.ir import HloModule, parse_module, verify
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +76,10 @@ def _store(options, what: str) -> PlanStore | None:
     return PlanStore(root)
 
 
-def _verified_module(text: str, source: str) -> hlo_passes.HloModule:
-    """``text`` parsed and verified (raises ``hlo_passes.HloError`` otherwise)."""
-    module = hlo_passes.parse_module(text, source=source)
-    hlo_passes.verify(module)
+def _verified_module(text: str, source: str) -> HloModule:
+    """``text`` parsed and verified (raises ``hlo_passes.ir.HloError`` otherwise)."""
+    module = parse_module(text, source=source)
+    verify(module)
     return module
 
 
@@ -282,9 +282,9 @@ class TargetCache:
             for field, blob in _TEXTS.items():
                 fields[field] = entry.blobs[blob].decode() if blob in entry.blobs else None
                 if fields[field] is not None:
-                    module = hlo_passes.parse_module(fields[field], source=f"plan cache {blob}")
+                    module = parse_module(fields[field], source=f"plan cache {blob}")
                     if field == "emitted_text":
-                        hlo_passes.verify(module)
+                        verify(module)
             fields["passes"] = tuple(PassRecord(**p) for p in fields["passes"])
         except Exception as e:  # noqa: BLE001 - whatever is wrong, the entry is not trusted
             self.store.reject("target", entry.key, f"its result does not verify ({type(e).__name__}: "

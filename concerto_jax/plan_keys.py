@@ -26,7 +26,8 @@ from typing import Any
 
 import jax
 
-from concerto_jax import jax_compat, pipeline
+from concerto_jax import jax_compat
+from hlo_passes.registry import PASS_TABLE, PASSES, load
 
 PLAN_NEUTRAL = frozenset({"dump_dir", "fallback", "cache_dir", "check_first_step",
                           "first_step_reference", "always_recompile"})
@@ -115,13 +116,12 @@ def program_part(lowered) -> dict:
 
 
 def registered_passes(names: Sequence[str]) -> bool:
-    """Whether every pass named is the one ``pipeline.PASS_TABLE`` registers (a pass registered
-    or replaced at run time is code the key cannot see)."""
+    """Whether every pass named is the one ``hlo_passes.registry.PASS_TABLE`` registers (a pass
+    registered or replaced at run time is code the key cannot see)."""
     for name in names:
-        entry = pipeline.PASS_TABLE.get(name)
-        if entry is None:
+        spec = PASS_TABLE.get(name)
+        if spec is None:
             return False
-        module, _, attr = entry.partition(":")
-        if pipeline.PASSES[name] is not getattr(importlib.import_module(module), attr):
+        if PASSES[name] is not load(spec):
             return False
     return True

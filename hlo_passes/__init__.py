@@ -1,14 +1,36 @@
-"""HLO IR for concerto_jax: parse per-device HLO text into a graph IR, verify it, print it back.
+"""The passes over HLO, and the IR they share.
+
+Layout::
+
+    ir/                the IR (parse, verify, print, analyses): no pass here (hlo_passes.ir)
+    registry.py        the passes by name (PASS_TABLE, PASSES), PassOutcome; imports only the IR
+    options.py         PassOptions: what every pass may read of the options it is given
+    as_replicas.py     fixed rewrites every emitted module gets: a per-device SPMD module
+                       run as N replicas (partition ids, channels, mesh groups, header)
+    cpu_compensation.py XLA:CPU's divide-by-broadcast rule (for the executor)
+    upcast.py          a module's wider-precision twin (the first step's "wider" judge)
+    emit.py            the scheduled form with async start/done pairs (dumps)
+    schedule/          pass "schedule" (run.py: schedule_pass)
+    pin/               pass "pin" (run.py: pin_pass, planned_windows; rewrite.py: the barriers)
+    fuse_collectives/  pass "fuse_collectives" (run.py: fuse_pass; grouping.py: Algorithm 1 on
+                       the task graph; rewrite.py: variadic collectives in the HLO)
+    pipeline_loops/    pass "pipeline_loops" (run.py; decide.py; prefetch.py, rotation.py: the
+                       rewrites; loop_state.py: what both share)
+    decompose_rewrite.py
+                       the rewrite of "decompose" (its decisions: concerto_jax.passes,
+                       concerto_jax.decompose)
 
 Pipeline position::
 
     HLO text (post-SPMD, or XLA's scheduled GPU module)
-      | parse_module        text -> HloModule (parser.py; HloParseError names the line)
-      | verify              IR invariants (verifier.py; HloVerifyError shows the instruction)
-      | passes              rewrite the IR through the mutation helpers (ir.py)
-      | module_to_text      IR -> text that XLA's parser accepts (printer.py)
+      | parse_module        text -> HloModule (ir/parser.py; HloParseError names the line)
+      | verify              IR invariants (ir/verifier.py; HloVerifyError shows the instruction)
+      | passes              rewrite the IR through the mutation helpers (ir/)
+      | module_to_text      IR -> text that XLA's parser accepts (ir/printer.py)
       v
-    xla_canonical(text)     XLA's own parse + print: the reference for equality (xla.py)
+    xla_canonical(text)     XLA's own parse + print: the reference for equality (ir/xla.py)
+
+This face is for users, tests and bench; library modules import from ``hlo_passes.ir``.
 
 Public API (stable; other packages build on it):
 
@@ -46,15 +68,26 @@ Public API (stable; other packages build on it):
 * errors: ``HloError``, ``HloParseError``, ``HloVerifyError``
 """
 
-from hlo_passes.errors import HloError, HloParseError, HloVerifyError
-from hlo_passes.ir import Computation, HloModule, Instruction
-from hlo_passes.parser import parse_module
-from hlo_passes.printer import computation_to_text, instruction_to_text, module_to_text
-from hlo_passes.replica_groups import format_replica_groups, parse_replica_groups
-from hlo_passes.rewrites import partition_id_to_replica_id, spmd_to_replicated
-from hlo_passes.shapes import Shape, parse_shape
-from hlo_passes.verifier import verify
-from hlo_passes.xla import xla_canonical, xla_parse
+from hlo_passes.as_replicas import partition_id_to_replica_id, spmd_to_replicated
+from hlo_passes.ir import (
+    Computation,
+    HloError,
+    HloModule,
+    HloParseError,
+    HloVerifyError,
+    Instruction,
+    Shape,
+    computation_to_text,
+    format_replica_groups,
+    instruction_to_text,
+    module_to_text,
+    parse_module,
+    parse_replica_groups,
+    parse_shape,
+    verify,
+    xla_canonical,
+    xla_parse,
+)
 
 __all__ = [
     "Computation", "HloError", "HloModule", "HloParseError", "HloVerifyError",

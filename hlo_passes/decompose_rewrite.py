@@ -30,20 +30,19 @@ stays in a topological order.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import itertools
 from collections.abc import Callable
 
-from hlo_passes import attributes as _attrs
-from hlo_passes.errors import HloError
-from hlo_passes.instruction import Instruction
-from hlo_passes.loops import CASTS, loop_state_problem, through_casts
-from hlo_passes.opcodes import COLLECTIVE_KINDS
-from hlo_passes.replica_groups import format_replica_groups
-from hlo_passes.shapes import Shape
+from hlo_passes.ir import attributes as _attrs
+from hlo_passes.ir.computation import Computation
+from hlo_passes.ir.errors import HloError
+from hlo_passes.ir.instruction import Instruction
+from hlo_passes.ir.loops import CASTS, loop_state_problem, through_casts
+from hlo_passes.ir.opcodes import COLLECTIVE_KINDS
+from hlo_passes.ir.replica_groups import format_replica_groups
+from hlo_passes.ir.shapes import Shape
 
 __all__ = ["SplitPlan", "SplitResult", "split_instructions", "split_while_body",
-           "carried_splits", "ADJUST", "max_channel_id", "channel_counter", "plans_divisible_by",
+           "carried_splits", "ADJUST", "plans_divisible_by",
            "split_replicated_collective"]
 
 
@@ -167,8 +166,6 @@ def _kept_axis(inst: Instruction, plan: SplitPlan, n: int, wide: bool):
 
 def _wide_adder(module, dtype: str):
     """The module's scalar ``dtype`` add computation (created once)."""
-    from hlo_passes.computation import Computation
-
     name = f"concerto_add_{dtype}"
     for comp in module.computations:
         if comp.name == name:
@@ -262,16 +259,6 @@ def _reassociable(coll: Instruction) -> bool:
             and any(reduced(o, depth - 1) for o in op.operands)
 
     return any(reduced(op, 8) for op in user.operands if op is not x)
-
-
-def max_channel_id(module) -> int:
-    """The largest ``channel_id`` in the module (0 if none)."""
-    return max((i.channel_id or 0 for i in module.instructions()), default=0)
-
-
-def channel_counter(module) -> Callable[[], int]:
-    """A ``next_channel_id`` for the rewrites: fresh ids above every id ``module`` holds now."""
-    return functools.partial(next, itertools.count(max_channel_id(module) + 1))
 
 
 def split_instructions(comp, plans: dict[Instruction, SplitPlan], n: int,
@@ -773,7 +760,7 @@ def split_replicated_collective(ar: Instruction, gather_groups: list[list[int]],
     ``all-gather(x)`` as the ``(q, j) <- (j, q)`` transpose of ``all-gather(all-gather(slice(x)))``.
 
     Valid when ``x`` holds the same data on every device of each ``gather_groups`` group
-    (``hlo_passes.uniformity``) and every ``G`` group's members sit at one position of
+    (``hlo_passes.ir.uniformity``) and every ``G`` group's members sit at one position of
     their gather groups (the caller checks both; for a reduce-scatter, also that a gather
     group's members sit at one position of their ``G`` groups, so they receive the same
     block). All-reduce: device ``d`` at position ``j`` of its gather group reduces slice

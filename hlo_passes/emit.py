@@ -24,9 +24,16 @@ all-gathers keep their synchronous form.
 
 from __future__ import annotations
 
-from hlo_passes.ir import Computation, HloModule, Instruction
-from hlo_passes.pins import _alias_closure
-from hlo_passes.shapes import Shape
+from hlo_passes.ir import (
+    Computation,
+    HloModule,
+    Instruction,
+    alias_closure,
+    module_to_text,
+    parse_module,
+    xla_parse,
+)
+from hlo_passes.ir.shapes import Shape
 
 __all__ = ["ASYNC_FORMS", "emit_scheduled", "to_async_pairs"]
 
@@ -68,7 +75,7 @@ def to_async_pairs(module: HloModule, comp: Computation | None = None) -> int:
             continue
         insts = list(comp.instructions)
         pos = {id(i): k for k, i in enumerate(insts)}
-        aliases = _alias_closure(c)
+        aliases = alias_closure(c)
         readers = [pos[id(u)] for a in aliases for u in a.users if u not in aliases]
         if comp.root is c:
             readers.append(len(insts))
@@ -106,9 +113,6 @@ def emit_scheduled(text: str) -> str:
       hlo_passes.HloError: the text does not parse.
       RuntimeError: XLA's parser rejects the result (a bug here).
     """
-    from hlo_passes import module_to_text, parse_module
-    from hlo_passes.xla import xla_parse
-
     module = parse_module(text, source="emit")
     for comp in module.computations:  # entry, call and while bodies: wherever collectives sit
         to_async_pairs(module, comp)

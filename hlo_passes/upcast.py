@@ -23,9 +23,9 @@ rewritten step is as accurate as the original (``concerto_jax.first_step``).
 
 from __future__ import annotations
 
-from hlo_passes.errors import HloError
 from hlo_passes.ir import Computation, HloModule, Instruction
-from hlo_passes.shapes import Shape
+from hlo_passes.ir.errors import HloError
+from hlo_passes.ir.shapes import Shape
 
 __all__ = ["UpcastError", "upcast_floats", "widening_of"]
 

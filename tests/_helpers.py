@@ -130,13 +130,13 @@ def dp_mlp_step(layers: int = 4, batch: int = 32):
 def collective_issues(text: str, kind: str | None = None, computation: str | None = None) -> list[tuple]:
     """``(instruction, collective op, is_async)`` for every collective the module ``text``
     issues (of ``kind`` if given; in ``computation`` if given, else in every computation that
-    runs as a sequence of ops: ``hlo_passes.loops.schedulable_computations``): a synchronous collective, the start of an async
+    runs as a sequence of ops: ``hlo_passes.ir.loops.schedulable_computations``): a synchronous collective, the start of an async
     pair (sugared ``all-reduce-start`` or generic ``async-start``), or a collective kernel
     fusion (XLA >= 0.11 makes small all-reduces Triton kernels: a ``fusion`` whose root is the
     all-reduce, run synchronously, as ``fusion-start``/``fusion-done``, or wrapped in an
     ``async-start``). The collective op carries the replica groups and the payload's shape."""
     import hlo_passes
-    from hlo_passes.loops import schedulable_computations
+    from hlo_passes.ir.loops import schedulable_computations
 
     module = hlo_passes.parse_module(text)
     # not the computations a wrapper runs (async bodies, fused computations): their ops are

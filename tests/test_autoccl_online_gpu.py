@@ -129,7 +129,7 @@ def test_command_buffer_options_and_store_record(tmp_path):
 def test_tuning_compiler_options_accepted_by_xla_gpu():
     """The tuning-phase options (command buffers without collectives + a threshold) are valid XLA:GPU
     options for jaxlib's compiler (deviceless compile; no GPU needed)."""
-    from concerto_jax.target import (
+    from concerto_jax.deviceless import (
         CompileOptions,
         compile_lowered,
         gpu_plugin_available,

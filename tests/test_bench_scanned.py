@@ -4,7 +4,7 @@ import pytest
 
 from bench.scanned import computation_orders, order_survival
 from concerto_jax.costmodel import CostModel, get_cluster
-from concerto_jax.target.fidelity import Judged, judge_module, overlap_kept
+from concerto_jax.judge import Judged, judge_module, overlap_kept
 
 _TEXT = """HloModule loops, num_partitions=1
 
@@ -62,7 +62,7 @@ def test_judge_sums_compute_and_communication_by_runs():
     """compute_us / comm_us: every computation's own kernels and transfers, times its runs per
     step (the while itself is not a kernel): 5 all-reduces, 5 multiplies and adds, 6 compares."""
     from concerto_jax.hlo_taskgraph import build_taskgraph
-    from hlo_passes.parser import parse_module
+    from hlo_passes.ir.parser import parse_module
 
     text = _TEXT.replace("num_partitions=1", "num_partitions=8").replace(
         "replica_groups={}", "replica_groups={{0,1,2,3,4,5,6,7}}")

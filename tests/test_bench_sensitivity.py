@@ -4,7 +4,7 @@ import os
 
 from bench.sensitivity import judge_both, variants
 from concerto_jax.costmodel import CostModel, get_cluster
-from concerto_jax.target.fidelity import judge_module
+from concerto_jax.judge import judge_module
 
 _FINAL = os.path.join(os.path.dirname(__file__), "data", "hlo", "gpu_transformer_block.final.hlo")
 

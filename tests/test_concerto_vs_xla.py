@@ -17,11 +17,11 @@ from bench.concerto_vs_xla import (
 )
 from concerto_jax.costmodel import CostModel, get_cluster
 from concerto_jax.hlo_taskgraph import build_taskgraph
+from concerto_jax.judge import map_order, order_by_priority
 from concerto_jax.scheduler import ScheduleOptions
 from concerto_jax.simulator import SimOptions, simulate
 from concerto_jax.taskgraph import Event, Phase, Task, TaskGraph, TaskKind
-from concerto_jax.xla_order import map_order, order_by_priority
-from hlo_passes.parser import parse_module
+from hlo_passes.ir.parser import parse_module
 
 DATA = pathlib.Path(__file__).parent / "data" / "hlo"
 FAST = ConcertoBenchOptions(schedule=ScheduleOptions(full_model_time_limit_s=30.0, full_model_deterministic_time=2.0),

@@ -96,8 +96,8 @@ def test_cpu_profile_of_a_small_program():
     import jax.numpy as jnp
     import numpy as np
 
-    from concerto_jax.costmodel.cpu import profile_module_on_cpu
-    from hlo_passes.parser import parse_module
+    from bench.cpu_validation import profile_module_on_cpu
+    from hlo_passes.ir.parser import parse_module
 
     x = np.ones((128, 128), np.float32)
     compiled = jax.jit(lambda a, b: jnp.tanh(a @ b) + 1.0).lower(x, x).compile()

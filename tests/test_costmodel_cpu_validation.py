@@ -1,4 +1,4 @@
-"""The CPU validation harness (``concerto_jax.costmodel.cpu.validate_program``, ``bench.cli validate-cpu``).
+"""The CPU validation harness (``bench.cpu_validation.validate_program``, ``bench.cli validate-cpu``).
 
 No timing figure is asserted: the machine is shared. What is checked: the pipeline
 runs on a small program, the store's prediction is the simulator's sum of the
@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from concerto_jax.costmodel.cpu import KernelRow, ValidationRow, mean_abs_error_pct
+from bench.cpu_validation import KernelRow, ValidationRow, mean_abs_error_pct
 from concerto_jax.costmodel.specs import GpuSpec
 
 # Fixed spec: the analytical prediction is then a pure function of the module (no probe, no timing).
@@ -36,7 +36,7 @@ def test_validate_program_on_a_small_chain():
     import jax.numpy as jnp
     import numpy as np
 
-    from concerto_jax.costmodel.cpu import validate_program
+    from bench.cpu_validation import validate_program
 
     r = np.random.default_rng(0)
     x, w1, w2 = (r.standard_normal(s).astype(np.float32) for s in ((64, 128), (128, 128), (128, 32)))
@@ -65,14 +65,14 @@ def test_dispatch_twin_has_the_programs_output_tree():
     import jax.numpy as jnp
     import numpy as np
 
-    from concerto_jax.costmodel.cpu import _dispatch_twin
+    from bench.cpu_validation import dispatch_twin
 
     def fn(state, batch):
         return {"a": state["a"] + batch, "b": (state["b"] * 2, jnp.int32(1))}
 
     state = {"a": np.ones((4, 4), np.float32), "b": np.ones((3,), np.float32)}
     batch = np.ones((4, 4), np.float32)
-    out = _dispatch_twin(fn, [state, batch])(state, batch)
+    out = dispatch_twin(fn, [state, batch])(state, batch)
     assert jax.tree.structure(out) == jax.tree.structure(jax.eval_shape(fn, state, batch))
     assert all(np.shape(leaf) == () for leaf in jax.tree.leaves(out))
 
@@ -103,7 +103,7 @@ def test_pinned_process_compiles_unpartitioned_fusions():
         import os, sys
         pin = sys.argv[1] == "pin"
         if pin:
-            from concerto_jax.costmodel.cpu import pin_to_one_cpu
+            from bench.cpu_validation import pin_to_one_cpu
             pin_to_one_cpu()
         os.environ["JAX_PLATFORMS"] = "cpu"
         import jax, jax.numpy as jnp
@@ -128,9 +128,9 @@ def _entry_kernels(fn, *shapes):
     jax = pytest.importorskip("jax")
     import jax.numpy as jnp
 
+    from concerto_jax.costmodel import op_info
     from concerto_jax.costmodel.compute import FREE_OPCODES
-    from concerto_jax.hlo_taskgraph import op_info
-    from hlo_passes.parser import parse_module
+    from hlo_passes.ir.parser import parse_module
 
     args = [jnp.zeros(s, jnp.float32) for s in shapes]
     module = parse_module(jax.jit(fn).lower(*args).compile().as_text())
@@ -146,7 +146,7 @@ def _entry_kernels(fn, *shapes):
     (lambda x: jax_tanh(x) * 2.0 + x, ((64, 256),), "stream"),
 ])
 def test_kernel_class_of_small_compiled_kernels(fn, shapes, expected):
-    from concerto_jax.costmodel.cpu import KERNEL_CLASSES, cpu_kernel_class
+    from bench.cpu_validation import KERNEL_CLASSES, cpu_kernel_class
 
     kernels = _entry_kernels(fn, *shapes)
     assert len(kernels) == 1, [k.name for k in kernels]
@@ -161,7 +161,7 @@ def jax_tanh(x):
 
 
 def test_rates_from_probe_times_are_the_stated_formulas():
-    from concerto_jax.costmodel.cpu import CpuSpecProbes
+    from bench.cpu_validation import CpuSpecProbes
 
     probes = CpuSpecProbes({}, n=512, stream_elements=1 << 20)
     e = 1 << 20
@@ -185,7 +185,7 @@ def test_probes_give_positive_rates_and_each_class_uses_its_own():
     pytest.importorskip("jax")
     import math
 
-    from concerto_jax.costmodel.cpu import cpu_kernel_time_us, measure_cpu_rates
+    from bench.cpu_validation import cpu_kernel_time_us, measure_cpu_rates
 
     rates = measure_cpu_rates(n=128, stream_elements=1 << 14, repeats=2)
     for f in ("dot_ynn_flops", "dot_plain_flops", "dot_plain_small_flops", "stream_bytes", "reduce_bytes",
@@ -200,8 +200,8 @@ def test_probes_give_positive_rates_and_each_class_uses_its_own():
 
 
 def test_plain_dot_rate_lies_between_its_two_probes():
+    from bench.cpu_validation import CpuRates, cpu_kernel_time_us
     from concerto_jax.costmodel.compute import ArrayInfo, OpInfo
-    from concerto_jax.costmodel.cpu import CpuRates, cpu_kernel_time_us
 
     rates = CpuRates(100e9, 80e9, 20e9, 20e9, 5e9, 50e9, 0.0, dot_plain_small_flops=20e9, overhead_us=0.0)
 

@@ -24,10 +24,10 @@ from concerto_jax.decompose.region import build_region, grow_through_carries, sc
 from hlo_passes.decompose_rewrite import (
     barrier_state_reads,
     carried_splits,
-    max_channel_id,
     release_barrier_state_reads,
     split_while_body,
 )
+from hlo_passes.ir import max_channel_id
 from tests._helpers import FAST, FULL_SCAN_MATRIX, run_bitwise_steps
 from tests.test_decompose_rules import _inputs, _run
 

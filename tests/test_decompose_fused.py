@@ -10,14 +10,13 @@ import pytest
 
 import concerto_jax
 from concerto_jax import scheduler
-from concerto_jax.costmodel import CostModel, collective_cost, get_cluster
+from concerto_jax.costmodel import CostModel, collective_cost, get_cluster, op_info
 from concerto_jax.costmodel.fused import fused_costs
 from concerto_jax.decompose.cost import Calibration
 from concerto_jax.decompose.options import DecomposeOptions
 from concerto_jax.decompose.search import _copy, apply, find_candidates, trial_durations
-from concerto_jax.hlo_taskgraph import op_info
 from concerto_jax.passes.decompose_pass import decompose_pass
-from hlo_passes.parser import parse_module
+from hlo_passes.ir.parser import parse_module
 
 CHAIN = ("exponential", "tanh", "negate", "exponential", "tanh", "negate", "exponential", "tanh")
 LAYOUT = ("entry_computation_layout={(f32[2048,4096]{1,0}, f32[4096,4096]{1,0})->"
@@ -112,7 +111,7 @@ def test_trial_durations_cost_chunks_by_their_original_ratio():
 
 
 def test_compile_for_target_hands_the_stock_module_to_decompose_only():
-    from concerto_jax.target.program import _with_fused_reference
+    from concerto_jax.deviceless.program import _with_fused_reference
 
     with_dec = concerto_jax.Options(passes=("decompose", "schedule"))
     assert _with_fused_reference(with_dec, "HloModule x").decompose.fused_reference == "HloModule x"

@@ -17,7 +17,7 @@ from concerto_jax.decompose import Candidate, axis_map, build_context, choose, f
 from concerto_jax.decompose.options import DecomposeOptions
 from concerto_jax.taskgraph import CollectiveInfo, Task, TaskGraph, TaskKind
 from hlo_passes.decompose_rewrite import split_instructions
-from hlo_passes.errors import HloError
+from hlo_passes.ir.errors import HloError
 from tests.test_decompose_rules import CASES, _module
 
 
@@ -256,7 +256,7 @@ def test_one_sided_contexts_rewrite_and_match():
     consistent members, and their rewrites run equal to the original (rtol 1e-4: the dot)."""
     import numpy as np
 
-    from hlo_passes.decompose_rewrite import max_channel_id
+    from hlo_passes.ir import max_channel_id
     from tests.test_decompose_rules import _inputs, _run
 
     params, body, out, _ = CASES["all_reduce_matmul"]

@@ -20,9 +20,10 @@ import concerto_jax.scheduler
 import hlo_passes
 from concerto_jax.decompose import DecomposeOptions
 from concerto_jax.decompose.region import build_region
-from concerto_jax.target import gpu_plugin_available
-from concerto_jax.target.program import compile_replicated_for_target
-from hlo_passes.decompose_rewrite import max_channel_id, split_instructions
+from concerto_jax.deviceless import gpu_plugin_available
+from concerto_jax.deviceless.program import compile_replicated_for_target
+from hlo_passes.decompose_rewrite import split_instructions
+from hlo_passes.ir import max_channel_id
 from tests.test_decompose_heldout import optimised_three_steps
 from tests.test_decompose_rules import N_DEV, _inputs, _module, _run
 

@@ -15,7 +15,8 @@ import pytest
 import hlo_passes
 from concerto_jax.decompose import axis_map, build_context
 from concerto_jax.executor import compile_replicated
-from hlo_passes.decompose_rewrite import max_channel_id, split_instructions
+from hlo_passes.decompose_rewrite import split_instructions
+from hlo_passes.ir import max_channel_id
 
 N_DEV = 8
 

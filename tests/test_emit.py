@@ -8,7 +8,7 @@ import concerto_jax
 import hlo_passes
 import models
 from hlo_passes.emit import emit_scheduled
-from hlo_passes.pins import pin_windows, windows_from_order
+from hlo_passes.pin import pin_windows, windows_from_order
 from tests._helpers import FAST, run_bitwise_steps
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "hlo")
@@ -39,7 +39,7 @@ def test_emit_scheduled_pairs_in_xla_form():
 
 
 def test_pins_tie_windows_and_keep_a_valid_module():
-    from concerto_jax.passes.schedule_pass import schedule_pass
+    from hlo_passes.schedule.run import schedule_pass
 
     module = hlo_passes.parse_module(_read("cpu_transformer_block.hlo"))
     assert not windows_from_order(module.entry)  # XLA's program order: each collective right before its reader

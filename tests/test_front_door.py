@@ -21,7 +21,7 @@ from tests._helpers import FULL_SWEEP
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SET_UP = 'pip install -e ".[dev,gpu]" && python -m concerto_jax.target.cuda_plugin install && python -m concerto_jax'
+SET_UP = 'pip install -e ".[dev,gpu]" && python -m concerto_jax.deviceless.cuda_plugin install && python -m concerto_jax'
 TESTS = "python -m pytest -q"
 
 

@@ -1,6 +1,6 @@
 """The "fuse_collectives" pass and the pass registry: every name Options accepts runs end to end.
 
-* the HLO rewrite (``hlo_passes.collective_fusion``): compatible collectives become one
+* the HLO rewrite (``hlo_passes.fuse_collectives.rewrite``): compatible collectives become one
   variadic collective, XLA's parser accepts the module, incompatible or dependent
   members are refused;
 * through ``optimize`` with ``fallback=False``: results bitwise equal to the original
@@ -13,9 +13,9 @@ import pytest
 import concerto_jax
 import hlo_passes
 import models
-from concerto_jax import pipeline
 from concerto_jax.capture import capture
-from hlo_passes.collective_fusion import fuse_group, fusion_key
+from hlo_passes.fuse_collectives import fuse_group, fusion_key
+from hlo_passes.registry import PASS_TABLE, PASSES, pass_names
 from tests._helpers import (
     FAST,
     FULL_SWEEP,
@@ -98,10 +98,10 @@ def test_fuse_pass_through_optimize_is_bitwise_equal(compiler_options):
 
 
 def test_options_accept_exactly_the_registered_passes():
-    assert set(pipeline.pass_names()) == set(pipeline.PASS_TABLE)
-    for name in pipeline.pass_names():
+    assert set(pass_names()) == set(PASS_TABLE)
+    for name in pass_names():
         concerto_jax.Options(passes=(name,))
-        assert callable(pipeline.PASSES[name]), name
+        assert callable(PASSES[name]), name
     with pytest.raises(ValueError, match="unknown pass"):
         concerto_jax.Options(passes=("no_such_pass",))
     with pytest.raises(TypeError, match="tuple of pass names"):
@@ -123,7 +123,7 @@ def test_every_accepted_pass_runs_on_models(model, layout):
     case = models.make_case(model, layout, "tiny")
     reference = case.step.lower(case.state, case.batch).compile(
         compiler_options={**FAST, **NO_COMBINER})
-    names = pipeline.pass_names()
+    names = pass_names()
     step = concerto_jax.optimize(case.step, concerto_jax.Options(
         passes=names, compiler_options={**FAST, **NO_COMBINER}, fallback=False))
     step(case.init_state(0), case.batch)  # first call: the pipeline runs, the report exists

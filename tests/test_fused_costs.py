@@ -9,9 +9,9 @@ import pytest
 
 from concerto_jax.costmodel import CostModel, get_cluster
 from concerto_jax.costmodel.fused import fused_costs
+from concerto_jax.deviceless import gpu_plugin_available
 from concerto_jax.hlo_taskgraph import build_taskgraph
-from concerto_jax.target import gpu_plugin_available
-from hlo_passes.parser import parse_module
+from hlo_passes.ir.parser import parse_module
 
 needs_plugin = pytest.mark.skipif(not gpu_plugin_available(), reason="CUDA PJRT plugin missing: pip install -e .[gpu]")
 
@@ -127,7 +127,7 @@ def test_build_taskgraph_durations_override(cm):
 
 
 def _info(inst):
-    from concerto_jax.hlo_taskgraph import op_info
+    from concerto_jax.costmodel import op_info
 
     return op_info(inst)
 
@@ -141,7 +141,7 @@ def mlp_compile():
     from jax.sharding import PartitionSpec as P
 
     import concerto_jax
-    from concerto_jax.target.compile import CompileOptions, compile_lowered
+    from concerto_jax.deviceless.compile import CompileOptions, compile_lowered
 
     mesh = concerto_jax.target_mesh("h100_sxm_8", (2, 4), ("dp", "tp"))
 

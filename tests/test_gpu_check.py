@@ -9,8 +9,9 @@ import types
 import jax
 import pytest
 
-from concerto_jax import gpu_check, gpu_executor
-from concerto_jax.target import gpu_plugin_available
+from concerto_jax.deviceless import gpu_plugin_available
+from concerto_jax.gpu_check import check as gpu_check
+from concerto_jax.gpu_route import route
 
 needs_plugin = pytest.mark.skipif(not gpu_plugin_available(),
                                   reason="CUDA PJRT plugin missing: pip install -e .[gpu]")
@@ -39,11 +40,11 @@ def test_standin_collectives_compiles_for_one_gpu_without_communication():
     stood, counts = gpu_check.standin_collectives(src)
     assert sum(counts.values()) >= 1 and not _collectives(stood)
     assert "num_partitions" not in stood.split("\n", 1)[0]
-    target = gpu_executor.device_target([H100])
+    target = route.device_target([H100])
     for env in ({"xla_gpu_enable_command_buffer": ""}, {}):  # calibration's options, then XLA's
-        p = gpu_executor.compile_payload(stood, target, 1, replicated=False, env=env)
+        p = route.compile_payload(stood, target, 1, replicated=False, env=env)
         assert not _collectives(p.final_text) and p.num_devices == 1 and p.compute_capability == "9.0"
-    layout = gpu_executor.jax_compat.entry_layout_of_text(p.final_text)
+    layout = route.jax_compat.entry_layout_of_text(p.final_text)
     params, results = gpu_check._split_layout(layout)
     assert len(params) == 4 and len(results) == 2
 
@@ -54,10 +55,10 @@ def test_perturbed_order_is_legal_and_kept_by_the_backend():
 
     src = _scheduled()
     other = gpu_check.perturbed_order(src)
-    assert gpu_executor.entry_order(other) != gpu_executor.entry_order(src)
-    assert sorted(gpu_executor.entry_order(other)) == sorted(gpu_executor.entry_order(src))
-    p = gpu_executor.compile_payload(other, get_cluster("h100_sxm_8"), 8, replicated=False)
-    kept = gpu_executor.order_kept(other, p.final_text)
+    assert route.entry_order(other) != route.entry_order(src)
+    assert sorted(route.entry_order(other)) == sorted(route.entry_order(src))
+    p = route.compile_payload(other, get_cluster("h100_sxm_8"), 8, replicated=False)
+    kept = route.order_kept(other, p.final_text)
     assert kept["common"] > 0 and kept["in_our_order"] >= kept["common"] - 2, kept  # async->sync pairs
 
 
@@ -86,7 +87,7 @@ def test_class_errors_sum_per_program_and_class():
 @pytest.mark.slow
 def test_item_a_rehearsed_on_cpu_devices():
     steps, seen = gpu_check.gpt_steps(jax.devices()[:8])
-    with gpu_executor.rehearse():
+    with route.rehearse():
         for name in ("gpt_f32_callback", "gpt_f32_donated"):
             step, case = steps[name]
             detail = gpu_check.route_check(name, step, case, ("schedule",),
@@ -135,7 +136,7 @@ def test_standin_header_loses_aliasing_and_partitions_only():
     assert first == "HloModule m, is_scheduled=true, entry_computation_layout={(f32[4]{0})->f32[4]{0}}"
     assert counts == {"all-reduce": 1} and "sharding=" not in text and "all-reduce(" not in text
     assert "ROOT %ar = f32[4]{0} copy(%p)" in text  # the operand (a parameter: copied)
-    gpu_executor.jax_compat.hlo_module_from_text(text)  # XLA's parser accepts it
+    route.jax_compat.hlo_module_from_text(text)  # XLA's parser accepts it
 
 
 def test_runtime_probes_report_an_abort_instead_of_ending_the_run():

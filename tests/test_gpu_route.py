@@ -1,4 +1,4 @@
-"""The GPU route of ``optimize`` (``concerto_jax.gpu_executor``), its CPU half on CPU.
+"""The GPU route of ``optimize`` (``concerto_jax.gpu_route``), its CPU half on CPU.
 
 The JAX side of the load (header splice, options override, swap, donation, host callbacks,
 layout check) runs with CPU executables on the 8-device CPU mesh through ``CpuRehearsal``; the
@@ -16,9 +16,9 @@ import pytest
 from jax.sharding import AxisType, Mesh
 
 import concerto_jax
-from concerto_jax import gpu_executor, jax_compat
-from concerto_jax.gpu_executor import CpuRehearsal, GpuRouteError, LoadRefused, Payload
-from concerto_jax.target import gpu_plugin_available
+from concerto_jax import jax_compat
+from concerto_jax.deviceless import gpu_plugin_available
+from concerto_jax.gpu_route import CpuRehearsal, GpuRouteError, LoadRefused, Payload, route
 from tests._helpers import assert_tree_bitwise
 from tests.test_optimize import _mesh, _mlp_step
 
@@ -33,7 +33,7 @@ def _fallbacks(caught):
 
 def test_rehearsal_runs_ours_for_three_steps_bitwise_with_donation():
     step, make_args = _mlp_step(_mesh())
-    with gpu_executor.rehearse():
+    with route.rehearse():
         opt = concerto_jax.optimize(step, SCHEDULE)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -51,14 +51,14 @@ def test_rehearsal_runs_ours_for_three_steps_bitwise_with_donation():
     assert rep.optimized and rep.executable.startswith("backend-only (cpu-rehearsal")
     assert rep.first_step_check.startswith("ran: outputs equal the original's (bitwise)")
     assert [p.name for p in rep.passes] == ["schedule"] and rep.passes[0].changed
-    assert set(rep.stage_seconds) == set(gpu_executor.STAGES)
+    assert set(rep.stage_seconds) == set(route.STAGES)
 
 
 def test_outside_rehearsal_a_cpu_step_takes_the_cpu_path():
-    assert gpu_executor.backend_for("cpu") is None
-    assert isinstance(gpu_executor.backend_for("gpu"), gpu_executor.GpuBackend)
-    with gpu_executor.rehearse():
-        assert isinstance(gpu_executor.backend_for("cpu"), CpuRehearsal)
+    assert route.backend_for("cpu") is None
+    assert isinstance(route.backend_for("gpu"), route.GpuBackend)
+    with route.rehearse():
+        assert isinstance(route.backend_for("cpu"), CpuRehearsal)
     step, make_args = _mlp_step(_mesh())
     opt = concerto_jax.optimize(step, SCHEDULE)
     opt(*make_args(0))
@@ -74,9 +74,9 @@ def test_load_options_put_the_steps_device_assignment_back():
     # The payload is compiled for devices 0..7 (as a deviceless compile is); the step runs on
     # them in reverse order: only the load's options make the replicas run where the data is.
     step, make_args = _mlp_step(_reversed_mesh())
-    built = gpu_executor.build(step, make_args(0), {}, SCHEDULE, CpuRehearsal())
+    built = route.build(step, make_args(0), {}, SCHEDULE, CpuRehearsal())
     assert_tree_bitwise(built.compiled(*make_args(1)), step(*make_args(1)))
-    wrong = gpu_executor.build(step, make_args(0), {}, SCHEDULE, CpuRehearsal(), override_options=False)
+    wrong = route.build(step, make_args(0), {}, SCHEDULE, CpuRehearsal(), override_options=False)
     with pytest.raises(Exception, match="is on device cpu:7, but replica is assigned to device cpu:0"):
         jax.block_until_ready(wrong.compiled(*make_args(1)))
 
@@ -88,7 +88,7 @@ def test_host_callbacks_are_handed_to_the_load(kind):
     log_ref, log_opt = [], []
     ref_step, make_args = _callback_step(_mesh(), kind, log_ref)
     src, _ = _callback_step(_mesh(), kind, log_opt)
-    with gpu_executor.rehearse():
+    with route.rehearse():
         opt = concerto_jax.optimize(src, SCHEDULE)
         w_ref, x = make_args(0)
         w_opt, _ = make_args(0)
@@ -119,7 +119,7 @@ def _break(monkeypatch, stage):
     elif stage == "backend_compile":
         monkeypatch.setattr(CpuRehearsal, "compile", raiser)
     elif stage == "checksum":
-        monkeypatch.setattr(gpu_executor, "_same_everywhere", lambda digest: False)
+        monkeypatch.setattr(route, "_same_everywhere", lambda digest: False)
     elif stage == "load":
         monkeypatch.setattr(jax_compat, "deserialize", raiser)
     elif stage == "layout_check":
@@ -134,11 +134,11 @@ def _break(monkeypatch, stage):
         monkeypatch.setattr(jax_compat, "swapped_step", raiser)
 
 
-@pytest.mark.parametrize("stage", gpu_executor.STAGES)
+@pytest.mark.parametrize("stage", route.STAGES)
 def test_a_failed_stage_falls_back_with_one_warning_naming_it(monkeypatch, stage):
     step, make_args = _mlp_step(_mesh())
     _break(monkeypatch, stage)
-    with gpu_executor.rehearse():
+    with route.rehearse():
         opt = concerto_jax.optimize(step, SCHEDULE)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -150,7 +150,7 @@ def test_a_failed_stage_falls_back_with_one_warning_naming_it(monkeypatch, stage
     rep = opt.report()
     assert not rep.optimized and rep.executable == "original" and stage in rep.fallback_reason
     strict = concerto_jax.optimize(step, concerto_jax.Options(passes=("schedule",), fallback=False))
-    with gpu_executor.rehearse(), pytest.raises(GpuRouteError) as err:
+    with route.rehearse(), pytest.raises(GpuRouteError) as err:
         strict(*make_args(0))
     assert err.value.stage == stage
 
@@ -161,9 +161,9 @@ def test_a_failed_stage_falls_back_with_one_warning_naming_it(monkeypatch, stage
 def eight_and_four():
     """The mlp step on 8 devices (stock compile) and payloads of it for 8 and for 4 devices."""
     step, make_args = _mlp_step(_mesh())
-    built = gpu_executor.build(step, make_args(0), {}, SCHEDULE, CpuRehearsal())
+    built = route.build(step, make_args(0), {}, SCHEDULE, CpuRehearsal())
     step4, make4 = _mlp_step(_mesh((1, 4)))
-    small = gpu_executor.build(step4, make4(0), {}, SCHEDULE, CpuRehearsal())
+    small = route.build(step4, make4(0), {}, SCHEDULE, CpuRehearsal())
     return built, small, step, make_args
 
 
@@ -176,35 +176,35 @@ def test_raw_bytes_without_a_header_are_refused_clearly(eight_and_four):
     whole = jax_compat.step_header(jax_compat.xla_executable(built.stock.compiled)) + raw
     jax_compat.split_ifrt_blob(whole)  # the real thing passes
     with pytest.raises(LoadRefused, match="already starts with an IFRT header"):
-        gpu_executor.check_payload(Payload(whole, 8, True, None, ""), devices, 8)
+        route.check_payload(Payload(whole, 8, True, None, ""), devices, 8)
 
 
 def test_another_device_count_is_refused_before_the_runtime(eight_and_four):
     # The runtime aborts the process (a CHECK) on this; it must never see it.
     built, small, _, _ = eight_and_four
     devices = built.stock.device_list
-    assert gpu_executor.payload_device_count(small.payload.data) == 4
+    assert route.payload_device_count(small.payload.data) == 4
     with pytest.raises(LoadRefused, match="device counts differ .*payload 4, devices 8, step 8"):
-        gpu_executor.load_payload(built.stock.compiled, small.payload)
+        route.load_payload(built.stock.compiled, small.payload)
     lying = Payload(small.payload.data, 8, True, None, "")
     with pytest.raises(LoadRefused, match="stored in the payload 4"):
-        gpu_executor.check_payload(lying, devices, 8)
+        route.check_payload(lying, devices, 8)
 
 
 def test_another_compute_capability_is_refused(eight_and_four):
-    from concerto_jax.target.pjrt_c import RIEGELI_SIGNATURE
+    from concerto_jax.deviceless.pjrt_c import RIEGELI_SIGNATURE
 
     built, _, _, _ = eight_and_four
     gpus = [types.SimpleNamespace(id=i, device_kind="NVIDIA H100 80GB HBM3", compute_capability="9.0",
                                   core_count=132, process_index=0) for i in range(8)]
     p = Payload(RIEGELI_SIGNATURE + b"\0" * 64, 8, False, "8.0", "")
     with pytest.raises(LoadRefused, match="compute capability 8.0, the devices have \\['9.0'\\]"):
-        gpu_executor.check_payload(p, gpus, 8)
+        route.check_payload(p, gpus, 8)
     with pytest.raises(LoadRefused, match="Riegeli signature"):
-        gpu_executor.check_payload(Payload(b"\x0a\x01x", 8, False, "9.0", ""), gpus, 8)
-    gpu_executor.check_payload(dataclass_replace(p, compute_capability="9.0"), gpus, 8)
+        route.check_payload(Payload(b"\x0a\x01x", 8, False, "9.0", ""), gpus, 8)
+    route.check_payload(dataclass_replace(p, compute_capability="9.0"), gpus, 8)
     with pytest.raises(LoadRefused, match="compute capability 9.0, the devices have \\[''\\]"):
-        gpu_executor.check_payload(dataclass_replace(p, compute_capability="9.0"),
+        route.check_payload(dataclass_replace(p, compute_capability="9.0"),
                                    built.stock.device_list, 8)
 
 
@@ -216,7 +216,7 @@ def dataclass_replace(obj, **kw):
 
 @pytest.mark.parametrize("bad", ["no_header", "four_devices", "compute_capability"])
 def test_bad_payloads_fall_back_with_a_warning_naming_the_load(monkeypatch, eight_and_four, bad):
-    from concerto_jax.target.pjrt_c import RIEGELI_SIGNATURE
+    from concerto_jax.deviceless.pjrt_c import RIEGELI_SIGNATURE
 
     built, small, step, make_args = eight_and_four
     real_compile = CpuRehearsal.compile
@@ -231,7 +231,7 @@ def test_bad_payloads_fall_back_with_a_warning_naming_the_load(monkeypatch, eigh
         return dataclass_replace(good, data=RIEGELI_SIGNATURE + good.data, compute_capability="8.0")
 
     monkeypatch.setattr(CpuRehearsal, "compile", compile_bad)
-    with gpu_executor.rehearse():
+    with route.rehearse():
         opt = concerto_jax.optimize(step, SCHEDULE)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -253,13 +253,13 @@ def _gpu(kind, cc, cores=None, process=0, i=0):
     ("NVIDIA H200", "9.0", "h200.txtpb"), ("NVIDIA A100-SXM4-40GB", "8.0", "a100_sxm_80.txtpb"),
     ("NVIDIA B200", "10.0", "b200.txtpb")])
 def test_device_target_is_the_shipped_config_of_the_device_kind(kind, cc, config):
-    t = gpu_executor.device_target([_gpu(kind, cc, i=i) for i in range(2)])
+    t = route.device_target([_gpu(kind, cc, i=i) for i in range(2)])
     assert t.config_file == config and t.compute_capability == cc and t.topology == "1x1x2"
-    assert gpu_executor.config_compute_capability(t.target_config_text()) == cc
+    assert route.config_compute_capability(t.target_config_text()) == cc
 
 
 def test_device_target_sets_the_sm_count_and_hosts():
-    t = gpu_executor.device_target([_gpu("NVIDIA H100 NVL", "9.0", cores=130, process=p, i=2 * p + k)
+    t = route.device_target([_gpu("NVIDIA H100 NVL", "9.0", cores=130, process=p, i=2 * p + k)
                                     for p in range(2) for k in range(2)])
     assert t.topology == "1x2x2" and t.core_count == 130 and "core_count: 130" in t.config_text
 
@@ -271,7 +271,7 @@ def test_device_target_sets_the_sm_count_and_hosts():
 ])
 def test_device_target_refuses_what_it_cannot_build_for(devices, match):
     with pytest.raises(GpuRouteError, match=match) as err:
-        gpu_executor.device_target(devices)
+        route.device_target(devices)
     assert err.value.stage == "target_config"
 
 
@@ -293,10 +293,10 @@ def test_order_kept_counts_instructions_left_in_our_order():
         body = "\n".join(f"  %{n} = f32[] add(%p, %p)" for n in names)
         return f"HloModule m, is_scheduled=true\n\nENTRY %main {{\n{body}\n}}\n"
 
-    assert gpu_executor.order_kept(module("abcd"), module("abcd"))["kept"]
-    moved = gpu_executor.order_kept(module("abcd"), module("acbd"))
+    assert route.order_kept(module("abcd"), module("abcd"))["kept"]
+    moved = route.order_kept(module("abcd"), module("acbd"))
     assert not moved["kept"] and moved["in_our_order"] == 3 and moved["common"] == 4
-    assert gpu_executor.order_kept(module("abcd"), module("axbcd"))["kept"]  # XLA added x
+    assert route.order_kept(module("abcd"), module("axbcd"))["kept"]  # XLA added x
 
 
 def test_the_gpu_default_is_identity_until_gpu_check_passed():
@@ -316,7 +316,7 @@ def test_deviceless_compile_serializes_our_order():
     from jax.sharding import PartitionSpec as P
 
     from concerto_jax.costmodel import get_cluster
-    from concerto_jax.target.pjrt_c import RIEGELI_SIGNATURE
+    from concerto_jax.deviceless.pjrt_c import RIEGELI_SIGNATURE
 
     mesh = concerto_jax.target_mesh("h100_sxm_8", (8,), ("x",))
     sh = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
@@ -328,7 +328,7 @@ def test_deviceless_compile_serializes_our_order():
             jax.ShapeDtypeStruct((2048, 1024), jnp.bfloat16, sharding=sh(P("x", None))),
             jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16, sharding=sh(P())),
             jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16, sharding=sh(P())))
-    d = gpu_executor.compile_deviceless(jax.jit(step, out_shardings=(sh(P()), sh(P()))), args,
+    d = route.compile_deviceless(jax.jit(step, out_shardings=(sh(P()), sh(P()))), args,
                                         get_cluster("h100_sxm_8"), SCHEDULE)
     sched = d.plan.passes[-1]
     assert sched.name == "schedule" and sched.changed, "the plan must differ from XLA's order"
@@ -337,12 +337,12 @@ def test_deviceless_compile_serializes_our_order():
     assert data.startswith(RIEGELI_SIGNATURE) and b"PjRtStreamExecutorClient" in data
     assert d.payload.compute_capability == "9.0" and d.payload.num_devices == 8
     assert not d.payload.replicated
-    assert gpu_executor.order_kept(d.plan.handed, d.payload.final_text)["kept"]
+    assert route.order_kept(d.plan.handed, d.payload.final_text)["kept"]
     # the payload passes the load's checks for 8 devices of that compute capability only
     gpus = [_gpu("NVIDIA H100 80GB HBM3", "9.0", i=i) for i in range(8)]
-    gpu_executor.check_payload(d.payload, gpus, 8)
+    route.check_payload(d.payload, gpus, 8)
     with pytest.raises(LoadRefused):
-        gpu_executor.check_payload(d.payload, gpus[:4], 4)
+        route.check_payload(d.payload, gpus[:4], 4)
 
 
 # -- multi-process: process 0 plans, every process loads the same module, all fall back together --
@@ -396,7 +396,7 @@ def test_a_rewrite_xla_cannot_schedule_is_dropped_and_the_order_still_planned():
     mp.setattr(pipeline, "run", run)
     mp.setattr("concerto_jax.executor.check_signature", lambda a, b: None)
     try:
-        plan = gpu_executor.plan_on_scheduled(text, text, concerto_jax.Options(passes=("fuse_collectives",)),
+        plan = route.plan_on_scheduled(text, text, concerto_jax.Options(passes=("fuse_collectives",)),
                                               xla_fails)
     finally:
         mp.undo()

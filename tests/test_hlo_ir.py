@@ -7,7 +7,7 @@ import pathlib
 import pytest
 
 import hlo_passes as h
-from hlo_passes.shapes import Shape
+from hlo_passes.ir.shapes import Shape
 
 DATA = pathlib.Path(__file__).parent / "data" / "hlo"
 

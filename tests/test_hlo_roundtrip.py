@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import hlo_passes as h
-from hlo_passes.rewrites import spmd_to_replicated
+from hlo_passes.as_replicas import spmd_to_replicated
 from tests._helpers import assert_tree_bitwise
 
 DATA = pathlib.Path(__file__).parent / "data" / "hlo"

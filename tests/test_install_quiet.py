@@ -1,4 +1,4 @@
-"""A quiet install: with the CUDA plugin kept out of JAX's discovery (concerto_jax.target.cuda_plugin),
+"""A quiet install: with the CUDA plugin kept out of JAX's discovery (concerto_jax.deviceless.cuda_plugin),
 a plain JAX program on a CPU machine starts without a traceback, and the deviceless GPU compile
 still finds the plugin.
 
@@ -27,12 +27,12 @@ def _hidden(name: str) -> bool:
 
 def _plugin_home() -> str:
     """Where the plugin's files are: site-packages (old installs) or our private directory (the set-up's)."""
-    from concerto_jax.target.cuda_plugin import plugin_dir
+    from concerto_jax.deviceless.cuda_plugin import plugin_dir
 
     for home in (SITE, plugin_dir()):
         if os.path.isdir(os.path.join(home, "jax_plugins", "xla_cuda13")):
             return home
-    pytest.skip("the CUDA plugin is not installed here: run `python -m concerto_jax.target.cuda_plugin install`")
+    pytest.skip("the CUDA plugin is not installed here: run `python -m concerto_jax.deviceless.cuda_plugin install`")
 
 
 @pytest.fixture(scope="module")
@@ -93,11 +93,11 @@ def test_deviceless_compile_finds_the_private_plugin(fresh_env):
         "import jax, jax.numpy as jnp\n"
         "from jax.sharding import NamedSharding, PartitionSpec as P\n"
         "from jax.experimental import topologies\n"
-        "from concerto_jax.target.cuda_plugin import ensure_registered, discovered\n"
+        "from concerto_jax.deviceless.cuda_plugin import ensure_registered, discovered\n"
         "assert not discovered()\n"
         "assert ensure_registered()\n"
         "topo = topologies.get_topology_desc(platform='cuda', topology_name='h100x8', topology='1x1x8',"
-        " target_config=open('concerto_jax/targets/h100_sxm.txtpb').read())\n"
+        " target_config=open('concerto_jax/gpu_configs/h100_sxm.txtpb').read())\n"
         "mesh = topologies.make_mesh(topo, (8,), ('x',))\n"
         "s = NamedSharding(mesh, P('x'))\n"
         "f = jax.jit(lambda a: jnp.sum(a * 2.0), in_shardings=s)\n"

@@ -55,7 +55,7 @@ def test_optimize_on_an_unchecked_jax_runs_the_original_with_one_warning(monkeyp
 
 
 def test_compile_for_target_on_an_unchecked_jax_refuses_before_any_compile(monkeypatch):
-    from concerto_jax.target import program
+    from concerto_jax.deviceless import program
     monkeypatch.setattr(jax_compat, "jax_versions", lambda: ("0.13.0", "0.13.0"))
     monkeypatch.delenv(jax_compat.ALLOW_ENV, raising=False)
     compiled = []

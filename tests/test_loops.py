@@ -1,4 +1,4 @@
-"""Loops: trip counts and carried values (hlo_passes.loops), every computation scheduled (schedule pass),
+"""Loops: trip counts and carried values (hlo_passes.ir.loops), every computation scheduled (schedule pass),
 bitwise results for trip counts 1, 2 and odd, one warning for loops the pass cannot cost."""
 
 from functools import partial
@@ -10,15 +10,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import concerto_jax
-import concerto_jax.passes  # noqa: F401  (registers the passes)
 import hlo_passes
 from concerto_jax.capture import capture
 from concerto_jax.costmodel import CostModel, get_cluster
 from concerto_jax.hlo_taskgraph import build_taskgraph, loops_of
 from concerto_jax.options import Options
-from concerto_jax.pipeline import PASSES
-from concerto_jax.scheduler.evaluate import evaluate
-from hlo_passes.loops import analyze_while, schedulable_computations
+from concerto_jax.simulator import makespan, timeline
+from hlo_passes.ir.loops import analyze_while, schedulable_computations
+from hlo_passes.registry import PASSES
 from tests._helpers import assert_tree_bitwise
 
 _LOOP = """HloModule loops, num_partitions=1
@@ -104,9 +103,9 @@ def test_memory_budget_is_shared_along_the_nesting():
     """A whole-program budget: the entry plans within half, a loop body within a quarter
     (its live bytes come on top of its caller's), never below its own input order's peak;
     a module without control flow gives its entry the whole budget."""
-    from concerto_jax.passes.schedule_pass import budget_share, schedule_computation
+    from concerto_jax.judge import budget_share, plan_computation
     from concerto_jax.scheduler import ScheduleOptions
-    from hlo_passes.loops import control_flow_depths
+    from hlo_passes.ir.loops import control_flow_depths
 
     module = _loop(bound=3)
     assert control_flow_depths(module) == {"main": 0, "body": 1, "cond": 1}
@@ -124,11 +123,11 @@ def test_memory_budget_is_shared_along_the_nesting():
     cm = CostModel(get_cluster("h100_sxm_8"))
     times: dict = {"program": {}, "scheduled": {}, "bound": {}}
     opts = Options(passes=("schedule",), scheduler=ScheduleOptions(memory_budget_bytes=budget))
-    limits = {c.name: schedule_computation(module, c, cm, opts, times, []).memory_limit_bytes
+    limits = {c.name: plan_computation(module, c, cm, opts.scheduler, times, []).memory_limit_bytes
               for c in schedulable_computations(module)}
     assert limits == {"cond": budget // 4, "body": budget // 4, "main": budget // 2}
     tiny = Options(passes=("schedule",), scheduler=ScheduleOptions(memory_budget_bytes=8))
-    body = schedule_computation(module, module.computation("body"), cm, tiny, times, [])
+    body = plan_computation(module, module.computation("body"), cm, tiny.scheduler, times, [])
     assert body.memory_limit_bytes == body.input_peak_bytes > 2  # never below the input peak
 
 
@@ -153,7 +152,7 @@ def test_while_costs_trips_times_body():
     assert stats["collectives"] == 1 and stats["computations"] == 3
     # The entry is the while alone (+ free ops): 3 x (body + cond) + cond.
     cm = CostModel(get_cluster("h100_sxm_8"))
-    body = evaluate(build_taskgraph(module, cm, computation="body").graph,
+    body = makespan(build_taskgraph(module, cm, computation="body").graph,
                     build_taskgraph(module, cm, computation="body").events)
     assert stats["program_order_us"] >= 3 * body - 1e-6
     assert stats["program_order_us"] < 4 * body + 10
@@ -243,9 +242,9 @@ def test_remat_work_in_backward_body_is_costed_and_used(monkeypatch):
     itself). CP-SAT stops at its default deterministic limit, not at the 5 s wall-clock one
     (on a loaded machine that stopped it at a 90.4 us plan without the overlap, 82.4 us
     with it at the deterministic limit, both within the body's memory limit: jax 0.12)."""
-    from concerto_jax.passes import schedule_pass
+    from concerto_jax import scheduler
+    from concerto_jax.judge import order_from_events
     from concerto_jax.scheduler import ScheduleOptions
-    from concerto_jax.scheduler.evaluate import simulate
 
     step, params, x = _scan_step(4, fsdp=True)
     module = hlo_passes.parse_module(capture(step, (params, x)).hlo_text)
@@ -262,23 +261,22 @@ def test_remat_work_in_backward_body_is_costed_and_used(monkeypatch):
     assert remat_us > 0
     before = [i.name for i in body.instructions]
     plans = []
-    real = schedule_pass.scheduler.schedule
+    real = scheduler.schedule
 
     def recorded(graph, options, initial=None):
         plans.append((graph, real(graph, options, initial=initial)))
         return plans[-1][1]
 
-    monkeypatch.setattr(schedule_pass.scheduler, "schedule", recorded)
+    monkeypatch.setattr(scheduler, "schedule", recorded)
     PASSES["schedule"](module, Options(passes=("schedule",),
                                        scheduler=ScheduleOptions(full_model_time_limit_s=120.0)))
     assert [i.name for i in body.instructions] != before, "the backward body should be reordered"
     (graph, plan), = [(g, r) for g, r in plans if len(g) == len(hg.graph)
                       and [t.name for t in g.tasks] == [t.name for t in hg.graph.tasks]]
     # the body is in that plan's order
-    order = schedule_pass.order_from_events(hg, plan.events, [module.computation(bwd).instruction(n)
-                                                               for n in before])
+    order = order_from_events(hg, plan.events, [module.computation(bwd).instruction(n) for n in before])
     assert [i.name for i in body.instructions] == [i.name for i in order]
-    tl = simulate(graph, plan.events)
+    tl = timeline(graph, plan.events)
     tasks = graph.tasks
     colls = [i for i, t in enumerate(tasks) if t.is_collective and t.duration_us > 0]
     recomputed = [i for i, t in enumerate(tasks) if t.name in remat and not t.is_collective
@@ -327,4 +325,4 @@ def test_conditional_branches_are_scheduled():
     # The entry's only task is the conditional: it costs its longer branch.
     cm = CostModel(get_cluster("h100_sxm_8"))
     yes = build_taskgraph(module, cm, computation="yes")
-    assert stats["program_order_us"] >= evaluate(yes.graph, yes.events) - 0.05  # stats are rounded
+    assert stats["program_order_us"] >= makespan(yes.graph, yes.events) - 0.05  # stats are rounded

@@ -1,4 +1,4 @@
-"""Cross-iteration rewrite of scanned-layer loops (hlo_passes.pipelining, "pipeline_loops" pass):
+"""Cross-iteration rewrite of scanned-layer loops (hlo_passes.pipeline_loops, "pipeline_loops" pass):
 FSDP all-gathers of iteration i+1 issued in iteration i, bitwise for trip counts 1, 2 and odd."""
 
 import pytest
@@ -7,10 +7,10 @@ import concerto_jax
 import hlo_passes
 from concerto_jax.capture import capture
 from concerto_jax.options import Options
-from concerto_jax.pipeline import PASSES, PassOutcome
 from concerto_jax.scheduler import ScheduleOptions
-from hlo_passes.loops import analyze_while
-from hlo_passes.pipelining import pipeline_prefetch, prefetch_candidates
+from hlo_passes.ir.loops import analyze_while
+from hlo_passes.pipeline_loops import pipeline_prefetch, prefetch_candidates
+from hlo_passes.registry import PASSES, PassOutcome
 from tests._helpers import assert_tree_bitwise
 from tests.test_loops import _LOOP, _scan_step
 

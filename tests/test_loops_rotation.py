@@ -1,4 +1,4 @@
-"""Loop rotation (hlo_passes.pipelining.rotate_loop, issue #10 item 2): the last collective of a
+"""Loop rotation (hlo_passes.pipeline_loops.rotate_loop, issue #10 item 2): the last collective of a
 loop body completes during the next iteration, against the next layer's independent work.
 Bitwise for trip counts 1, 2 and odd; decided by scheduling the rotated body within memory."""
 
@@ -16,9 +16,9 @@ import hlo_passes
 from concerto_jax.capture import capture
 from concerto_jax.decompose.options import DecomposeOptions
 from concerto_jax.options import Options
-from concerto_jax.pipeline import PASSES, PassOutcome
-from hlo_passes.loops import analyze_while
-from hlo_passes.pipelining import rotate_loop, rotation_candidates, rotation_of
+from hlo_passes.ir.loops import analyze_while
+from hlo_passes.pipeline_loops import rotate_loop, rotation_candidates, rotation_of
+from hlo_passes.registry import PASSES, PassOutcome
 from tests._helpers import assert_tree_bitwise
 from tests.test_loops import _scan_step
 
@@ -114,7 +114,7 @@ def test_decompose_rotates_a_split_loop_where_it_pays_and_fits(monkeypatch):
     body kept a 89.2 us order, against which the rotation paid), so no rotation pays at
     ``ROTATION_MARGIN``; the margin is set to -1 (rotate whatever fits) to keep the memory
     rule and the rotated program's numerics under test."""
-    from concerto_jax.passes import pipeline_pass
+    from hlo_passes.pipeline_loops import decide as pipeline_pass
 
     monkeypatch.setattr(pipeline_pass, "ROTATION_MARGIN", -1.0)
     step, params, x = _tp_scan(3)

@@ -1,9 +1,9 @@
-"""target.native: joining idle async pairs and permuting the instruction lines of XLA's text (no plugin needed)."""
+"""deviceless.reschedule: joining idle async pairs and permuting the instruction lines of XLA's text (no plugin needed)."""
 
 import pytest
 
 import hlo_passes
-from concerto_jax.target.native import join_idle_pairs, permute_text
+from concerto_jax.deviceless.reschedule import join_idle_pairs, permute_text
 
 _TEXT = """HloModule m, is_scheduled=true
 

@@ -11,8 +11,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import concerto_jax
-from concerto_jax import pipeline
 from concerto_jax.executor import donated_parameters
+from hlo_passes.registry import PASSES
 from tests._helpers import assert_tree_bitwise
 
 
@@ -118,7 +118,7 @@ def test_internal_failure_falls_back_with_one_warning(monkeypatch):
     def broken(module, options):
         raise RuntimeError("synthetic pass failure")
 
-    monkeypatch.setitem(pipeline.PASSES, "schedule", broken)
+    monkeypatch.setitem(PASSES, "schedule", broken)
     opt = concerto_jax.optimize(step, concerto_jax.Options(passes=("schedule",)))
     p_ref, x = make_args()
     p_opt, _ = make_args()
@@ -215,6 +215,6 @@ def test_dump_dir_writes_captured_emitted_and_scheduled_modules(tmp_path):
     scheduled = next(p for p in tmp_path.iterdir() if p.name.endswith("scheduled.hlo.txt")).read_text()
     assert "is_scheduled=true" in scheduled
     assert "all-reduce-start" in scheduled and "all-reduce-done" in scheduled
-    from hlo_passes.xla import xla_parse
+    from hlo_passes.ir.xla import xla_parse
 
     xla_parse(scheduled)  # XLA's own parser accepts what we hand a GPU compiler

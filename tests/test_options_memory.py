@@ -9,15 +9,16 @@ import logging
 
 import pytest
 
-from concerto_jax.scheduler import ScheduleOptions, peak_memory, schedule, simulate
+from concerto_jax.scheduler import ScheduleOptions, peak_memory, schedule
 from concerto_jax.scheduler.progress import Progress
+from concerto_jax.simulator import timeline
 from tests.test_scheduler_memory import prefetch_graph
 
 FAST = dict(full_model_max_tasks=0, odd_even=None)
 
 
 def _peak(g, events):
-    tl = simulate(g, events)
+    tl = timeline(g, events)
     return peak_memory(g, tl.start, tl.end)
 
 

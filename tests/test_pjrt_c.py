@@ -1,17 +1,17 @@
-"""The PJRT C API driver (``concerto_jax.target.pjrt_c``): a scheduled module compiled backend-only
+"""The PJRT C API driver (``concerto_jax.deviceless.pjrt_c``): a scheduled module compiled backend-only
 keeps the order we give it (needs the CUDA plugin; deviceless)."""
 
 import functools
 
 import pytest
 
-from concerto_jax.target import gpu_plugin_available
+from concerto_jax.deviceless import gpu_plugin_available
 
 needs_plugin = pytest.mark.skipif(not gpu_plugin_available(), reason="CUDA PJRT plugin missing: pip install -e .[gpu]")
 
 
 def test_proto_field_reads_length_delimited_fields():
-    from concerto_jax.target.pjrt_c import _RUN_BACKEND_ONLY, _proto_field
+    from concerto_jax.deviceless.pjrt_c import _RUN_BACKEND_ONLY, _proto_field
 
     msg = bytes([0x08, 0x96, 0x01]) + bytes([0x0A, 3]) + b"abc" + bytes([0x12, 1]) + b"z"
     assert _proto_field(msg, 1) == b"abc" and _proto_field(msg, 2) == b"z"
@@ -31,7 +31,7 @@ def _after_lhs():
 
     import concerto_jax
     from concerto_jax.costmodel import get_cluster
-    from concerto_jax.target.compile import CompileOptions, compile_lowered
+    from concerto_jax.deviceless.compile import CompileOptions, compile_lowered
 
     mesh = concerto_jax.target_mesh("h100_sxm_8", (8,), ("x",))
 
@@ -69,7 +69,7 @@ def _move(text, name, before):
 def test_backend_only_compile_keeps_a_reordered_schedule():
     import hlo_passes
     from concerto_jax.costmodel import get_cluster
-    from concerto_jax.target import pjrt_c
+    from concerto_jax.deviceless import pjrt_c
 
     stock = _after_lhs()
     after = stock.after_lhs_text
@@ -113,7 +113,7 @@ def test_backend_only_compile_keeps_a_reordered_schedule():
 @needs_plugin
 def test_plugin_error_is_raised_with_its_message():
     from concerto_jax.costmodel import get_cluster
-    from concerto_jax.target import pjrt_c
+    from concerto_jax.deviceless import pjrt_c
 
     text = _after_lhs().after_lhs_text
     # Compile options for 4 partitions against a module and topology of 8 devices.

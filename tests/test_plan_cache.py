@@ -27,6 +27,7 @@ from concerto_jax.plan_store import (
     key_of,
     resolve_dir,
 )
+from hlo_passes.registry import PASSES
 from tests._helpers import assert_tree_bitwise
 from tests.workers.plan_cache_step import make_step
 
@@ -138,8 +139,8 @@ def test_the_suite_never_writes_the_users_cache():
 
 
 def test_a_pass_registered_at_run_time_turns_the_cache_off(tmp_path, monkeypatch):
-    real, ran = pipeline.PASSES["schedule"], []
-    monkeypatch.setitem(pipeline.PASSES, "schedule", lambda m, o: ran.append(1) or real(m, o))
+    real, ran = PASSES["schedule"], []
+    monkeypatch.setitem(PASSES, "schedule", lambda m, o: ran.append(1) or real(m, o))
     _optimized(tmp_path)
     _optimized(tmp_path)
     assert len(ran) == 2 and not _entries(tmp_path, "step")
@@ -410,7 +411,7 @@ def _target_step():
 
 
 def _needs_plugin():
-    from concerto_jax.target.compile import gpu_plugin_available
+    from concerto_jax.deviceless.compile import gpu_plugin_available
 
     if not gpu_plugin_available():
         pytest.skip("CUDA PJRT plugin missing: pip install -e .[gpu]")
@@ -418,7 +419,7 @@ def _needs_plugin():
 
 def test_compile_for_target_hit_miss_and_damage(tmp_path, monkeypatch):
     _needs_plugin()
-    from concerto_jax.target import program
+    from concerto_jax.deviceless import program
 
     step, args = _target_step()
     options = concerto_jax.Options(passes=("schedule",), combine_thresholds=(), cache_dir=str(tmp_path))

@@ -5,12 +5,12 @@ Two ways the HLO -> StableHLO -> HLO compile path used to break that:
 * shard_map ``psum`` over a pytree: the partitioner gives all its all-reduces one
   channel id; XLA's layout assignment outside SPMD mode forces one layout per
   channel and rejects operands of different ranks
-  (``hlo_passes.rewrites.unique_all_reduce_channels``; since session 5 the replicated
+  (``hlo_passes.as_replicas.unique_all_reduce_channels``; since session 5 the replicated
   program carries no channel ids at all, see ``spmd_to_replicated``);
 * a softmax on a 2-D mesh: MLIR canonicalisation in the StableHLO -> HLO step
   folds the partitioner's reshape/broadcast chain, so XLA:CPU no longer turns
   ``e / broadcast(sum)`` into ``e * broadcast(1 / sum)`` as it does for the jitted
-  program: 1-ulp differences (``hlo_passes.rewrites.cpu_divide_by_broadcast``,
+  program: 1-ulp differences (``hlo_passes.cpu_compensation.cpu_divide_by_broadcast``,
   applied by ``concerto_jax.executor.compensate_round_trip``).
 """
 
@@ -25,7 +25,8 @@ from jax.sharding import PartitionSpec as P
 import concerto_jax
 import hlo_passes
 from concerto_jax.executor import compensate_round_trip, parse_with_xla
-from hlo_passes.rewrites import cpu_divide_by_broadcast, unique_all_reduce_channels
+from hlo_passes.as_replicas import unique_all_reduce_channels
+from hlo_passes.cpu_compensation import cpu_divide_by_broadcast
 from tests._helpers import assert_tree_bitwise
 
 

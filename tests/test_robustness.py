@@ -18,8 +18,9 @@ from jax.sharding import PartitionSpec as P
 import concerto_jax
 import hlo_passes
 from concerto_jax import capture as capture_lib
-from concerto_jax import first_step, pipeline
+from concerto_jax import first_step
 from concerto_jax.custom_calls import UnsupportedCustomCall, check_carryable, custom_calls
+from hlo_passes.registry import PASSES, PassOutcome
 from tests._helpers import assert_tree_bitwise
 
 IDENTITY = concerto_jax.Options(fallback=False)
@@ -349,7 +350,7 @@ def _perturb_pass(module, options):
     for inst in module.entry.instructions:
         if inst.opcode == "tanh":
             inst.opcode = "exponential"
-            return pipeline.PassOutcome(changed=True)
+            return PassOutcome(changed=True)
     raise AssertionError("no tanh in the module")
 
 
@@ -371,7 +372,7 @@ def _mlp_step(mesh):
 
 
 def test_first_step_check_catches_a_difference_and_falls_back(monkeypatch):
-    monkeypatch.setitem(pipeline.PASSES, "schedule", _perturb_pass)
+    monkeypatch.setitem(PASSES, "schedule", _perturb_pass)
     mesh = _mesh()
     step, make_args = _mlp_step(mesh)
     opt = concerto_jax.optimize(step, concerto_jax.Options(passes=("schedule",)))

@@ -12,22 +12,19 @@ from concerto_jax.scheduler import (
     ScheduleError,
     ScheduleOptions,
     SolverParams,
-    alpha_beta,
     check_events,
     check_timeline,
     decode,
-    evaluate,
-    fuse_collectives,
     list_schedule,
-    lower_bound,
     odd_even,
     peak_memory,
     schedule,
-    simulate,
     solve_program,
 )
 from concerto_jax.scheduler.heuristics import justified_schedule
+from concerto_jax.simulator import lower_bounds, makespan, timeline
 from concerto_jax.taskgraph import CollectiveInfo, Event, Phase, Task, TaskGraph, TaskKind
+from hlo_passes.fuse_collectives import alpha_beta, fuse_collectives
 
 C, K = TaskKind.COMPUTE, TaskKind.COLLECTIVE
 
@@ -71,10 +68,10 @@ def overlap_graph():
                      [[], [0], [1], []])
 
 
-def test_evaluate_semantics():
+def test_makespan_semantics():
     g = overlap_graph()
     sync = g.synchronous_schedule([0, 1, 2, 3])
-    assert evaluate(g, sync) == pytest.approx(35.0)
+    assert makespan(g, sync) == pytest.approx(35.0)
     ev = [Event(0, Phase.RUN), Event(1, Phase.START), Event(3, Phase.RUN), Event(1, Phase.DONE),
           Event(2, Phase.RUN)]
     tl = check_events(g, ev)
@@ -82,7 +79,7 @@ def test_evaluate_semantics():
     # A collective launched after d starts only when d has been issued (at d's end).
     late = [Event(0, Phase.RUN), Event(3, Phase.RUN), Event(1, Phase.START), Event(1, Phase.DONE),
             Event(2, Phase.RUN)]
-    assert evaluate(g, late) == pytest.approx(35.0)
+    assert makespan(g, late) == pytest.approx(35.0)
 
 
 def test_comm_stream_is_fifo_and_exclusive():
@@ -124,7 +121,7 @@ def test_cp_solution_decodes_to_valid_order():
     check_timeline(g, start, end, tol=1e-3 * max(1.0, sol.makespan_us))
     ev = decode(g, start)
     check_events(g, ev)
-    assert evaluate(g, ev) >= lower_bound(g) - 1e-6
+    assert makespan(g, ev) >= lower_bounds(g).bound_us - 1e-6
 
 
 def test_memory_limit_is_respected_by_the_model():
@@ -152,7 +149,7 @@ def test_odd_even_never_worse_and_deterministic():
     a = odd_even(g, start, opts)
     b = odd_even(g, start, opts)
     check_events(g, a.events)
-    assert a.makespan_us <= evaluate(g, start) + 1e-9
+    assert a.makespan_us <= makespan(g, start) + 1e-9
     assert a.events == b.events and a.makespan_us == b.makespan_us
 
 
@@ -164,7 +161,7 @@ def test_odd_even_improves_heuristic_on_training_like_graph():
     res = odd_even(g, heur, OddEvenOptions(block_size=48, rounds=2, block_deterministic_time=0.2,
                                            block_time_limit_s=30.0))
     check_events(g, res.events)
-    assert res.makespan_us <= evaluate(g, heur) + 1e-9
+    assert res.makespan_us <= makespan(g, heur) + 1e-9
 
 
 # --- fusion --------------------------------------------------------------------------
@@ -264,7 +261,7 @@ def test_justified_schedule_moves_a_critical_collective_ahead_of_a_gradient_queu
     g.validate()
     heur = [check_events(g, list_schedule(g, feed_streams=f)).makespan for f in (False, True)]
     assert heur == [pytest.approx(640.0)] * 2
-    tl = simulate(g, list_schedule(g))
+    tl = timeline(g, list_schedule(g))
     just = justified_schedule(g, tl.start, tl.end)
     assert [check_events(g, ev).makespan for ev in just] == [pytest.approx(600.0)] * 2
     names = [g.tasks[e.task].name for e in just[0] if e.phase is Phase.START]
@@ -287,10 +284,10 @@ def test_heuristic_and_decode_valid(seed, n, streams):
     g = random_graph(seed, n, streams=streams)
     ev = list_schedule(g)
     tl = check_events(g, ev)
-    assert tl.makespan >= lower_bound(g) - 1e-6
+    assert tl.makespan >= lower_bounds(g).bound_us - 1e-6
     for limit in (None, 64):  # 64 bytes: the memory path runs among fed (lazily removed) tasks
         fed = list_schedule(g, memory_limit_bytes=limit, feed_streams=True)
-        assert check_events(g, fed).makespan >= lower_bound(g) - 1e-6
+        assert check_events(g, fed).makespan >= lower_bounds(g).bound_us - 1e-6
     # Decoding the heuristic's own times gives a valid order that is no slower.
     dec = decode(g, tl.start, tl.end)
     assert check_events(g, dec).makespan <= tl.makespan + 1e-6
@@ -309,18 +306,18 @@ def test_schedule_properties(seed, n):
     res = schedule(g, FAST, initial=initial)
     tl = check_events(g, res.events)
     assert tl.makespan == pytest.approx(res.makespan_us)
-    assert res.makespan_us <= evaluate(g, initial) + 1e-9  # never worse than the input
+    assert res.makespan_us <= makespan(g, initial) + 1e-9  # never worse than the input
     assert res.makespan_us >= res.lower_bound_us - 1e-6
     again = schedule(g, FAST, initial=initial)  # deterministic for a fixed seed
     assert again.events == res.events
     del rng
 
 
-def test_simulate_matches_evaluate_and_rejects_invalid():
+def test_timeline_matches_makespan_and_rejects_invalid():
     g = random_graph(11, 30)
     ev = list_schedule(g)
-    assert simulate(g, ev).makespan == evaluate(g, ev)
+    assert timeline(g, ev).makespan == makespan(g, ev)
     bad = list(reversed(ev))
     with pytest.raises(ValueError):
-        simulate(g, bad, check=True)
-    assert dataclasses.is_dataclass(simulate(g, ev))
+        timeline(g, bad, check=True)
+    assert dataclasses.is_dataclass(timeline(g, ev))

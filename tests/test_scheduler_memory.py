@@ -11,15 +11,13 @@ from concerto_jax.scheduler import (
     OddEvenOptions,
     ScheduleOptions,
     check_events,
-    evaluate,
     list_schedule,
     odd_even,
     peak_memory,
     schedule,
-    simulate,
 )
 from concerto_jax.scheduler.decode import decode_window
-from concerto_jax.scheduler.evaluate import IncrementalTimeline
+from concerto_jax.simulator import IncrementalTimeline, makespan, timeline
 from concerto_jax.taskgraph import CollectiveInfo, Task, TaskGraph, TaskKind
 from tests.test_scheduler import FAST, random_graph
 
@@ -47,7 +45,7 @@ def prefetch_graph(layers: int = 6, gather_bytes: int = 1000):
 
 
 def _peak(g, events):
-    tl = simulate(g, events)
+    tl = timeline(g, events)
     return peak_memory(g, tl.start, tl.end)
 
 
@@ -57,7 +55,7 @@ def test_heuristic_respects_memory_limit_when_it_can():
     assert _peak(g, free) > 2100  # several gathered layers live at once
     limited = list_schedule(g, memory_limit_bytes=2100)
     check_events(g, limited, memory_limit_bytes=2100)
-    assert evaluate(g, limited) <= evaluate(g, g.synchronous_schedule()) + 1e-9
+    assert makespan(g, limited) <= makespan(g, g.synchronous_schedule()) + 1e-9
 
 
 def test_schedule_never_exceeds_limit_when_input_is_within():
@@ -71,7 +69,7 @@ def test_schedule_never_exceeds_limit_when_input_is_within():
     res = schedule(g, opts, initial=initial)
     tl = check_events(g, res.events, memory_limit_bytes=limit)
     assert res.peak_memory_bytes <= limit
-    assert tl.makespan <= evaluate(g, initial) + 1e-9
+    assert tl.makespan <= makespan(g, initial) + 1e-9
 
 
 def test_schedule_without_input_falls_back_within_limit():
@@ -101,12 +99,12 @@ def test_list_schedule_over_the_limit_by_its_guide_is_rerun_within_it():
         g, lambda guide: list_schedule(g, memory_limit_bytes=guide), limit)
     assert tries >= 1
     check_events(g, events, memory_limit_bytes=limit)
-    assert tl.makespan < evaluate(g, initial)
+    assert tl.makespan < makespan(g, initial)
     opts = ScheduleOptions(full_model_max_tasks=0, odd_even=None)  # limit: the input order's peak
     res = schedule(g, opts, initial=initial)
     check_events(g, res.events, memory_limit_bytes=limit)
     assert res.source != "input" and res.stats["memory_guide_retries"]["heuristic"] >= 1
-    assert res.makespan_us <= tl.makespan + 1e-9 < evaluate(g, initial)
+    assert res.makespan_us <= tl.makespan + 1e-9 < makespan(g, initial)
 
 
 def test_list_schedule_within_returns_the_lowest_peak_when_nothing_fits():
@@ -136,7 +134,7 @@ def test_schedule_memory_property(seed, n, frac):
                            memory_limit_bytes=limit, odd_even=FAST.odd_even)
     res = schedule(g, opts, initial=initial)
     check_events(g, res.events, memory_limit_bytes=limit)
-    assert res.makespan_us <= evaluate(g, initial) + 1e-9
+    assert res.makespan_us <= makespan(g, initial) + 1e-9
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -144,7 +142,7 @@ def test_schedule_memory_property(seed, n, frac):
 def test_incremental_window_matches_full_simulation(seed, n, streams):
     g = random_graph(seed, n, streams=streams)
     inc = IncrementalTimeline(g, list_schedule(g))
-    assert inc.timeline() == simulate(g, inc.events)
+    assert inc.timeline() == timeline(g, inc.events)
     rng = random.Random(seed)
     for _ in range(4):
         p = rng.randrange(len(inc.events))
@@ -157,7 +155,7 @@ def test_incremental_window_matches_full_simulation(seed, n, streams):
         new = decode_window(g, window, start, end)
         cand = inc.events[:p] + new + inc.events[q:]
         g.check_schedule(cand)
-        full = simulate(g, cand)
+        full = timeline(g, cand)
         cap = inc.makespan if rng.random() < 0.5 else float("inf")
         before = inc.makespan
         if inc.try_window(p, q, new, cap):
@@ -176,7 +174,7 @@ def test_odd_even_large_graph_is_fast_and_never_worse():
     res = odd_even(g, heur, OddEvenOptions(block_size=64, rounds=1, block_deterministic_time=0.02,
                                            time_budget_s=None))
     check_events(g, res.events)
-    assert res.makespan_us <= evaluate(g, heur) + 1e-9
+    assert res.makespan_us <= makespan(g, heur) + 1e-9
     assert res.blocks_solved + res.blocks_skipped >= 40  # every block of the round was visited
 
 

@@ -9,9 +9,9 @@ import pytest
 import concerto_jax
 import hlo_passes
 import models
-from concerto_jax import pipeline
 from concerto_jax.capture import capture
-from concerto_jax.target import gpu_plugin_available
+from concerto_jax.deviceless import gpu_plugin_available
+from hlo_passes.registry import PASS_TABLE
 from tests._helpers import FAST, NO_COMBINER, run_bitwise_steps
 
 pytestmark = pytest.mark.smoke
@@ -36,7 +36,7 @@ def test_capture_and_ir_round_trip(gpt_tp):
 ROW_STABLE_DOTS = {"xla_cpu_experimental_ynn_fusion_type": "", "xla_cpu_multi_thread_eigen": False}
 
 
-@pytest.mark.parametrize("name", sorted(pipeline.PASS_TABLE))
+@pytest.mark.parametrize("name", sorted(PASS_TABLE))
 def test_optimize_with_each_pass(gpt_tp, name):
     xla = {**FAST, **NO_COMBINER, **(ROW_STABLE_DOTS if name == "pin" else {})}
     reference = gpt_tp.step.lower(gpt_tp.state, gpt_tp.batch).compile(compiler_options=xla)

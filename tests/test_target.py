@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from concerto_jax.target import (
+from concerto_jax.deviceless import (
     CLUSTERS,
     CompileOptions,
     GpuPluginMissingError,
@@ -31,7 +31,7 @@ def test_clusters_registry():
 def test_missing_plugin_message(monkeypatch):
     monkeypatch.setitem(sys.modules, "jax_plugins.xla_cuda13", None)
     # Earlier tests may have registered the plugin from its private directory: simulate absence.
-    monkeypatch.setattr("concerto_jax.target.cuda_plugin.ensure_registered", lambda: False)
+    monkeypatch.setattr("concerto_jax.deviceless.cuda_plugin.ensure_registered", lambda: False)
     with pytest.raises(GpuPluginMissingError, match=r"pip install -e \.\[gpu\]"):
         require_gpu_plugin()
 

@@ -21,7 +21,7 @@ import concerto_jax
 import hlo_passes
 from concerto_jax import capture as capture_lib
 from concerto_jax import executor, first_step, pipeline
-from concerto_jax.pipeline import PassOutcome
+from hlo_passes.registry import PASSES, PassOutcome
 from hlo_passes.upcast import UpcastError, upcast_floats, widening_of
 
 
@@ -174,7 +174,7 @@ def _corrupt_gradients(module, options):
 def _corrupted_first_call(monkeypatch, fp8_input: bool = False):
     """The first call of ``_bf16_adam_step`` through the corrupting pass under "wider":
     ``(the original's outputs, ours, the optimised step, our warnings)``."""
-    monkeypatch.setitem(pipeline.PASSES, "corrupt", _corrupt_gradients)
+    monkeypatch.setitem(PASSES, "corrupt", _corrupt_gradients)
     step, ws, state, x = _bf16_adam_step(fp8_input)
     want = step(ws, state, x)
     opt = concerto_jax.optimize(step, concerto_jax.Options(

@@ -78,7 +78,7 @@ def collective_sites(hlo_text: str) -> list[CollectiveSite]:
     left out: they never call NCCL, so the tuner plugin does not see them and counting
     them would shift the occurrence indices of the collectives it does see.
     """
-    from hlo_passes.parser import parse_module
+    from hlo_passes.ir.parser import parse_module
 
     module = parse_module(hlo_text)
     entry = module.entry

@@ -4,7 +4,8 @@ Pipeline: ``Cluster`` (GPUs, hosts, links; figures with sources, refined by the
 shipped XLA target config) -> per-instruction cost (``compute``: FLOPs and
 bytes against peak rates plus launch overhead; ``collectives``: alpha-beta per
 algorithm over the replica group's placement) -> overridden by measured times
-from a ``ProfileStore`` where present.
+from a ``ProfileStore`` where present. ``hlo_ops``: the cost model's view of an IR
+instruction (``op_info``), ``fused``: fusion-aware costs from XLA's scheduled module.
 """
 
 from concerto_jax.costmodel.cluster import CLUSTERS, Cluster, get_cluster
@@ -26,6 +27,7 @@ from concerto_jax.costmodel.compute import (
     work_of,
     work_time_us,
 )
+from concerto_jax.costmodel.hlo_ops import array_leaves, is_kernel, op_info
 from concerto_jax.costmodel.model import DEFAULT_OVERLAP_SLOWDOWN, CostModel, CostOptions
 from concerto_jax.costmodel.profile_store import ProfileStore, signature
 from concerto_jax.costmodel.specs import (
@@ -42,5 +44,5 @@ __all__ = [
     "OpInfo", "ProfileStore", "Work", "compute_time_us", "signature", "work_of", "work_time_us",
     "A100_SXM_80", "A800_SXM_80", "CLUSTERS", "COLLECTIVE_OPS", "Cluster", "CollectiveCost",
     "CollectiveOptions", "GpuSpec", "H100_PCIE", "H100_SXM", "LinkSpec", "bus_factor",
-    "collective_cost", "collective_time_us", "get_cluster",
+    "collective_cost", "collective_time_us", "get_cluster", "array_leaves", "is_kernel", "op_info",
 ]

@@ -26,7 +26,7 @@ class Cluster:
       gpus_per_host: GPUs per host.
       intra_link: link between GPUs of one host (NVLink or PCIe).
       inter_link: network between hosts (None for one host).
-      target_config: file name under ``concerto_jax/targets/`` (XLA GpuTargetConfigProto).
+      target_config: file name under ``concerto_jax/gpu_configs/`` (XLA GpuTargetConfigProto).
       topology_name: name given to ``jax.experimental.topologies.get_topology_desc``.
       description: one line for reports.
     """
@@ -62,7 +62,7 @@ class Cluster:
 
     def target_config_text(self) -> str:
         """The shipped target config text (XLA ``GpuTargetConfigProto``)."""
-        return _read_target(self.target_config)
+        return _read_gpu_config(self.target_config)
 
     @functools.cached_property
     def gpu_spec(self) -> specs.GpuSpec:
@@ -71,8 +71,8 @@ class Cluster:
 
 
 @functools.cache
-def _read_target(file_name: str) -> str:
-    return resources.files("concerto_jax").joinpath("targets", file_name).read_text()
+def _read_gpu_config(file_name: str) -> str:
+    return resources.files("concerto_jax").joinpath("gpu_configs", file_name).read_text()
 
 
 _NDR_400 = "NVIDIA ConnectX-7 datasheet: NDR InfiniBand 400 Gb/s per port, one port per GPU (DGX H100)"

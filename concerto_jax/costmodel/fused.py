@@ -50,8 +50,11 @@ import logging
 import re
 from collections.abc import Mapping
 
-from concerto_jax.costmodel.compute import FREE_OPCODES, work_of, work_time_us
+from concerto_jax.costmodel.compute import work_of, work_time_us
+from concerto_jax.costmodel.hlo_ops import is_kernel, op_info
 from concerto_jax.costmodel.model import CostModel
+from hlo_passes.ir.loops import schedulable_computations
+from hlo_passes.ir.parser import parse_module
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +68,6 @@ ANCHOR_OPCODES = frozenset({"dot", "convolution"})
 RULES = ("anchor", "proportional")
 
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
-_CONTROL_FLOW = frozenset({"while", "conditional", "call"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,14 +141,6 @@ def _is_anchor(inst) -> bool:
     return inst.opcode == "custom-call" and any(t in target for t in ("gemm", "matmul", "conv"))
 
 
-def _is_compute(inst) -> bool:
-    """Whether ``build_taskgraph`` makes ``inst`` a compute task that launches a kernel."""
-    from concerto_jax.hlo_taskgraph import ALIAS_OPCODES
-
-    return not (inst.opcode in ALIAS_OPCODES or inst.opcode in FREE_OPCODES or inst.opcode in _CONTROL_FLOW
-                or inst.collective_kind is not None)
-
-
 def _fused_instructions(inst):
     """Instructions inside the fused computations of ``inst`` (recursively through nested fusions;
     for the start of an async compute pair, the op it wraps and what is fused into that)."""
@@ -173,8 +167,6 @@ def _fold_unmatched(xla, kernel_names: list[str], kernel_cost: list[float],
     (through ``bitcast``/``get-tuple-element``/``tuple``), else to the first kernel reading
     its result; with neither, it stays unattributed.
     """
-    from hlo_passes.loops import schedulable_computations
-
     index = {n: k for k, n in enumerate(kernel_names)}
     cost = list(kernel_cost)
     passthrough = ("bitcast", "get-tuple-element", "tuple", "opt-barrier", "copy-start", "copy-done")
@@ -241,10 +233,6 @@ def fused_costs(post_spmd_module, xla_scheduled, cost_model: CostModel, *, rule:
     Raises:
       ValueError: unknown ``rule`` or ``unmapped``.
     """
-    from concerto_jax.hlo_taskgraph import op_info
-    from hlo_passes.loops import schedulable_computations
-    from hlo_passes.parser import parse_module
-
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
     if unmapped not in ("estimate", "zero"):
@@ -267,7 +255,7 @@ def fused_costs(post_spmd_module, xla_scheduled, cost_model: CostModel, *, rule:
     instances: list[tuple[object, int]] = []
     for comp in schedulable_computations(xla):
         for inst in comp.instructions:
-            if not _is_compute(inst):
+            if not is_kernel(inst):
                 continue
             k = len(kernel_names)
             kernel_names.append(inst.name)
@@ -278,7 +266,7 @@ def fused_costs(post_spmd_module, xla_scheduled, cost_model: CostModel, *, rule:
                                                      "bitcast"))
 
     # Post-SPMD compute instructions.
-    members: list = [i for comp in schedulable_computations(pre) for i in comp.instructions if _is_compute(i)]
+    members: list = [i for comp in schedulable_computations(pre) for i in comp.instructions if is_kernel(i)]
     unfused = {i.name: cost_model.compute_us(op_info(i, cache)) for i in members}
     by_key: dict[tuple[str, str], list] = {}
     for i in members:

@@ -2,7 +2,7 @@
 
 A ``GpuSpec`` holds the peak rates of one GPU and a ``LinkSpec`` one kind of
 link (NVLink, PCIe, the network between hosts). Where the shipped XLA target
-config (``concerto_jax/targets/*.txtpb``, a ``GpuTargetConfigProto``) carries a
+config (``concerto_jax/gpu_configs/*.txtpb``, a ``GpuTargetConfigProto``) carries a
 figure -- SM count, clocks, memory bandwidth, tensor-core rates per dtype,
 NVLink link count -- ``gpu_spec_from_target_config`` takes it from there and
 the datasheet value is kept only as a cross-check in ``sources``.

@@ -30,7 +30,7 @@ import logging
 import os
 
 from concerto_jax.costmodel.compute import ArrayInfo
-from concerto_jax.hlo_taskgraph import op_info
+from concerto_jax.costmodel.hlo_ops import op_info
 
 log = logging.getLogger(__name__)
 

@@ -114,7 +114,7 @@ def score_region(region: Region, n: int, cost_model, num_devices: int,
     by the next iteration).
     """
     from concerto_jax.decompose.cost import payload_bytes
-    from concerto_jax.hlo_taskgraph import _groups
+    from hlo_passes.ir import device_groups
 
     bw = cost_model.gpu.hbm_bytes_per_s / 1e6  # bytes per µs
     waited = _gemm_waits_for(region.collective.parent, loop_body)
@@ -122,7 +122,7 @@ def score_region(region: Region, n: int, cost_model, num_devices: int,
     for inst, plan in region.plans.items():
         if not inst.is_collective or plan.partial is not None:
             continue
-        groups = _groups(inst, num_devices)
+        groups = device_groups(inst, num_devices)
         t = cost_model.collective(inst.opcode, payload_bytes(inst), groups).time_us
         scattered = reduce_scatter_slice(inst, groups)
         if scattered is not None:
@@ -244,7 +244,7 @@ def _partial_plan(inst, avail: dict) -> SplitPlan | None:
     """The plan of ``inst`` as a partial member, or None (see the module docstring)."""
     split = {i: avail[op] for i, op in enumerate(inst.operands) if op in avail}
     if inst.opcode == "dot":
-        from hlo_passes import attributes as _attrs
+        from hlo_passes.ir import attributes as _attrs
 
         lc = _attrs.parse_int_list(inst.attr("lhs_contracting_dims", "{}"))
         rc = _attrs.parse_int_list(inst.attr("rhs_contracting_dims", "{}"))

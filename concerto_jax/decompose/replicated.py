@@ -14,7 +14,7 @@ of every block of x))`` (sharded data parallelism over hosts with tensor paralle
 host: a replicated parameter's gradient reduce-scattered over the data axis) and
 ``all-gather_G(x) == transpose(all-gather_H(all-gather_G(slice_{rank in H}(x))))`` (that
 parameter's shard gathered over the data axis). All three hold whenever ``x`` is equal on
-the devices of each group of ``H`` (the tensor-parallel groups: ``hlo_passes.uniformity``
+the devices of each group of ``H`` (the tensor-parallel groups: ``hlo_passes.ir.uniformity``
 proves it from the parameters' shardings and the ops in between) and the members of each
 ``G`` group sit at one position of their ``H`` groups.
 Every element is still reduced over the same devices in the same order (bitwise where
@@ -34,8 +34,7 @@ import logging
 
 import numpy as np
 
-from hlo_passes.replica_groups import is_partition_of
-from hlo_passes.uniformity import Uniformity, labels_of_groups
+from hlo_passes.ir import Uniformity, is_partition_of, labels_of_groups
 
 log = logging.getLogger(__name__)
 

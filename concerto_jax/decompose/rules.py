@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from hlo_passes import attributes as _attrs
+from hlo_passes.ir import attributes as _attrs
 
 AxisMap = dict[int, tuple[int | None, ...]]
 RuleFn = Callable[[object], AxisMap]

@@ -30,17 +30,20 @@ import dataclasses
 import logging
 import types
 
-import hlo_passes
 from concerto_jax import scheduler
 from concerto_jax.costmodel.fused import FusedCosts
+from concerto_jax.costmodel.hlo_ops import op_info
 from concerto_jax.decompose import rules
 from concerto_jax.decompose.choose import Candidate
 from concerto_jax.decompose.context import build_context
 from concerto_jax.decompose.cost import Calibration, strategy_cost
 from concerto_jax.decompose.critical import exposed_by_schedule, find_critical
 from concerto_jax.decompose.options import DecomposeOptions
-from concerto_jax.hlo_taskgraph import _groups, build_taskgraph, op_info
-from hlo_passes.decompose_rewrite import channel_counter, split_instructions
+from concerto_jax.hlo_taskgraph import build_taskgraph
+from concerto_jax.judge import judge_graph
+from concerto_jax.simulator import SimOptions
+from hlo_passes.decompose_rewrite import split_instructions
+from hlo_passes.ir import channel_counter, device_groups, module_to_text, parse_module
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +86,10 @@ def judge_schedule(graph, initial, sched_options: scheduler.ScheduleOptions, slo
                    with_result: bool = False):
     """(events, ``SimResult``) of ``graph`` scheduled by the judge and simulated (and the
     ``ScheduleResult`` with ``with_result``)."""
-    from concerto_jax.simulator import SimOptions, simulate
-
-    res = scheduler.schedule(graph, sched_options, initial=initial)
-    events = list(res.events)
-    sim = simulate(graph, events, SimOptions(overlap_slowdown=slowdown, memory=False))
-    return (events, sim, res) if with_result else (events, sim)
+    j = judge_graph(graph, initial, schedule=sched_options,
+                    sim=SimOptions(overlap_slowdown=slowdown, memory=False))
+    events = list(j.events)
+    return (events, j.sim, j.schedule) if with_result else (events, j.sim)
 
 
 @dataclasses.dataclass
@@ -124,8 +125,6 @@ def find_candidates(module, cost_model, calibration: Calibration,
       fused: fusion-aware costs of ``module``'s instructions (``fused_costs``); None: the
         cost model's unfused estimate, one kernel per op.
     """
-    from concerto_jax.simulator import SimOptions, simulate
-
     cache: dict = {}
     durations = fused.us if fused is not None else None
     copies = 0.0 if fused is not None and options.split_copies == "zero" else 1.0
@@ -146,8 +145,8 @@ def find_candidates(module, cost_model, calibration: Calibration,
         if options.criticality == "schedule" and any(t.is_collective for t in hg.graph.tasks):
             events, sim = judge_schedule(hg.graph, hg.events, judge, calibration.overlap_slowdown)
             stalls = exposed_by_schedule(hg.graph, events, sim.timings)
-            prog = simulate(hg.graph, hg.events, SimOptions(
-                overlap_slowdown=calibration.overlap_slowdown, memory=False))
+            prog = judge_graph(hg.graph, hg.events, sim=SimOptions(
+                overlap_slowdown=calibration.overlap_slowdown, memory=False)).sim
             found.judged[comp.name] = {"program_order_us": round(prog.step_time_us, 1),
                                        "step_us": round(sim.step_time_us, 1),
                                        "exposed_comm_us": round(sim.exposed_comm_us, 1)}
@@ -168,7 +167,7 @@ def find_candidates(module, cost_model, calibration: Calibration,
             coll = comp.instruction(rec.name)
             if coll.async_role is not None:
                 continue  # already async (a scheduled module): not ours to split
-            groups = _groups(coll, module.num_devices)
+            groups = device_groups(coll, module.num_devices)
             for axis in sorted(rules.axis_map(coll)):
                 ctx = build_context(coll, axis, cost_of, max_ops=options.max_context_ops,
                                     cover_us=options.cover_factor * rec.time_us)
@@ -260,7 +259,7 @@ def simulated_step_us(module, cost_model, slowdown: float,
 
 
 def _copy(module):
-    return hlo_passes.parse_module(hlo_passes.module_to_text(module), source="decompose-trial")
+    return parse_module(module_to_text(module), source="decompose-trial")
 
 
 def joint_revise(module, found: Found, chosen: list[Candidate], cost_model,

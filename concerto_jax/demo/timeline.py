@@ -6,7 +6,18 @@ import dataclasses
 import logging
 import os
 
-from concerto_jax.simulator import SimResult
+from concerto_jax.costmodel import CostModel, get_cluster
+from concerto_jax.hlo_taskgraph import build_taskgraph
+from concerto_jax.scheduler import peak_memory
+from concerto_jax.simulator import (
+    SimOptions,
+    SimResult,
+    simulate,
+    timeline,
+    write_chrome_trace_comparison,
+    write_gantt_comparison,
+)
+from hlo_passes.ir import parse_module
 
 log = logging.getLogger(__name__)
 
@@ -34,20 +45,13 @@ def simulate_module(text: str, target: str, label: str) -> Timeline:
     Control-flow instructions (while loops, calls) count with the cost model's estimate of
     one run; a step without them simulates as ``compile_for_target`` judges it.
     """
-    import hlo_passes
-    from concerto_jax.costmodel import CostModel, get_cluster
-    from concerto_jax.hlo_taskgraph import build_taskgraph
-    from concerto_jax.scheduler import peak_memory
-    from concerto_jax.scheduler import simulate as full_speed
-    from concerto_jax.simulator import SimOptions, simulate
-
     cost_model = CostModel(get_cluster(target))
-    module = hlo_passes.parse_module(text)
+    module = parse_module(text)
     built = build_taskgraph(module, cost_model)
     result = simulate(built.graph, built.events,
                       SimOptions(overlap_slowdown=cost_model.options.overlap_slowdown, memory=False))
     unfolded = build_taskgraph(module, cost_model, fold_aliases=False)
-    tl = full_speed(unfolded.graph, unfolded.events)
+    tl = timeline(unfolded.graph, unfolded.events)  # full speed: the scheduler's memory model
     return Timeline(label, result, built.graph, peak_memory(unfolded.graph, tl.start, tl.end))
 
 
@@ -56,14 +60,12 @@ def write_comparison(out_dir: str | os.PathLike, name: str, timelines,
     """``<name>.trace.json`` (Perfetto: one process per timeline) and ``<name>.gantt.png`` (one
     time axis, exposed communication marked) in ``out_dir``; their paths, the PNG's None
     where matplotlib is not installed (``pip install 'concerto_jax[plot]'``)."""
-    from concerto_jax.simulator import write_chrome_trace_comparison, write_gantt_comparison
-
     os.makedirs(out_dir, exist_ok=True)
     runs = [(t.label, t.result, t.graph) for t in timelines]
     trace = write_chrome_trace_comparison(os.path.join(out_dir, f"{name}.trace.json"), runs,
                                           metadata={"title": title})
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib  # noqa: F401  # lazy: an optional dependency (the [plot] extra)
     except ImportError:
         return None, trace
     png = write_gantt_comparison(os.path.join(out_dir, f"{name}.gantt.png"), runs, title=title)

@@ -9,7 +9,7 @@ cannot fuse the chunks back together; weight gradients and losses are summed
 (declared tolerance ``region_tolerance``, 1e-3). Where no computation has a
 region with a positive score, the per-collective **contexts** below. After the region
 split of a loop body, the loop may be **rotated** (``DecomposeOptions.rotate_loops``,
-``pipeline_pass.decide_rotation``): the last chunk's final collective of iteration ``i``
+``hlo_passes.pipeline_loops.decide_rotation``): the last chunk's final collective of iteration ``i``
 completes during iteration ``i + 1``, against the next layer's first chunk, where the rotated
 body plans faster within the body's memory limit (bitwise: only the order changes).
 
@@ -17,7 +17,7 @@ After either strategy, **collectives of replicated operands**
 (``DecomposeOptions.replicated_reductions``, ``concerto_jax.decompose.replicated``): an
 all-reduce (reduce-scatter, all-gather) whose operand every device of an orthogonal group
 holds equal (a replicated parameter's gradient under data x tensor parallelism, proven by
-``hlo_passes.uniformity``) moves ``1/h`` of it and all-gathers the rest over that group,
+``hlo_passes.ir.uniformity``) moves ``1/h`` of it and all-gathers the rest over that group,
 where the cost model says it is cheaper (across hosts; bitwise: each element is reduced
 over the same devices).
 
@@ -55,8 +55,11 @@ from concerto_jax.decompose.choose import choose
 from concerto_jax.decompose.cost import CALIBRATION_FILE, Calibration
 from concerto_jax.decompose.options import DecomposeOptions
 from concerto_jax.decompose.search import apply, find_candidates, joint_revise
-from concerto_jax.pipeline import PassOutcome, register_pass
-from hlo_passes.errors import HloError
+from hlo_passes.ir import channel_counter
+from hlo_passes.ir.errors import HloError
+from hlo_passes.options import PassOptions
+from hlo_passes.pipeline_loops.decide import decide_rotation
+from hlo_passes.registry import PassOutcome
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +72,7 @@ class DecomposeWarning(UserWarning):
     """A strategy was dropped because its rewrite could not be proven safe."""
 
 
-@register_pass("decompose")
-def decompose_pass(module, options) -> PassOutcome:
+def decompose_pass(module, options: PassOptions) -> PassOutcome:
     """Decompose ``module``'s critical collectives; see the module docstring."""
     dopts = getattr(options, "decompose", None) or DecomposeOptions()
     cost_model = CostModel(get_cluster(options.target))
@@ -96,7 +98,7 @@ def _replicated_reductions(module, cost_model) -> list[dict]:
     orthogonal group whose sliced form is cheaper (``concerto_jax.decompose.replicated``),
     rewritten; one record each."""
     from concerto_jax.decompose.replicated import plan_replicated_reductions
-    from hlo_passes.decompose_rewrite import channel_counter, split_replicated_collective
+    from hlo_passes.decompose_rewrite import split_replicated_collective
 
     fresh = channel_counter(module)
 
@@ -264,7 +266,6 @@ def _region_split(module, options, dopts: DecomposeOptions, cost_model) -> PassO
     from concerto_jax.decompose.search import computations_to_search
     from hlo_passes.decompose_rewrite import (
         barrier_state_reads,
-        channel_counter,
         release_barrier_state_reads,
         split_instructions,
         split_while_body,
@@ -337,11 +338,10 @@ def _region_split(module, options, dopts: DecomposeOptions, cost_model) -> PassO
 def _rotate_split_loops(module, options, cost_model, decomposed: list[dict],
                         budget: int | None, skip: tuple[str, ...] = ()) -> list[dict]:
     """After every region split: each while whose body was split gets a rotation where it
-    pays (``pipeline_pass.decide_rotation``, within ``budget``: ``DecomposeOptions.
+    pays (``pipeline_loops.decide_rotation``, within ``budget``: ``DecomposeOptions.
     memory_budget_bytes``) unless its body is in ``skip``; the split's record says which
     (``rotated``).
     A rotation that fails is skipped with a log line (the split stays)."""
-    from concerto_jax.passes.pipeline_pass import decide_rotation
 
     records = []
     for entry in decomposed:

@@ -2,12 +2,10 @@
 
 Stages, for one ``TaskGraph`` (``concerto_jax.taskgraph``)::
 
-    [fusion]     fuse_collectives: merge interchangeable collectives, bucket sizes chosen
-                 by the evaluated makespan under a cost model (paper Algorithm 1)
     schedule     list heuristic -> whole-graph CP-SAT (small graphs) -> odd-even windows
     decode       start times -> event order (collective START ahead of the compute it
                  overlaps, DONE before its first consumer)
-    evaluate     exact list-scheduling evaluator of an event order (makespan)
+    (judged)     by the full-speed timeline of an event order (``concerto_jax.simulator.makespan``)
     check        precedence, stream exclusivity, memory limit
 
 Plus a generic RCPSP entry point (``solve_rcpsp``) proven on PSPLIB (``load_psplib``).
@@ -21,20 +19,6 @@ from concerto_jax.scheduler.checker import (
     peak_memory,
 )
 from concerto_jax.scheduler.decode import decode, order_by_keys
-from concerto_jax.scheduler.evaluate import (
-    Timeline,
-    critical_path,
-    evaluate,
-    lower_bound,
-    simulate,
-)
-from concerto_jax.scheduler.fusion import (
-    CostFn,
-    FusionResult,
-    alpha_beta,
-    build_fused_graph,
-    fuse_collectives,
-)
 from concerto_jax.scheduler.heuristics import list_schedule
 from concerto_jax.scheduler.oddeven import OddEvenOptions, OddEvenResult, odd_even
 from concerto_jax.scheduler.program_model import ProgramSolution, solve_program
@@ -54,11 +38,6 @@ from concerto_jax.scheduler.schedule import (
 )
 
 __all__ = [
-    "CostFn",
-    "FusionResult",
-    "alpha_beta",
-    "build_fused_graph",
-    "fuse_collectives",
     "OddEvenOptions",
     "OddEvenResult",
     "ProgramSolution",
@@ -70,23 +49,18 @@ __all__ = [
     "ScheduleResult",
     "SchedulerError",
     "SolverParams",
-    "Timeline",
     "check_events",
     "check_rcpsp",
     "check_timeline",
-    "critical_path",
     "decode",
-    "evaluate",
     "list_schedule",
     "list_schedule_within",
     "load_optima",
     "load_psplib",
-    "lower_bound",
     "odd_even",
     "order_by_keys",
     "peak_memory",
     "schedule",
-    "simulate",
     "solve_program",
     "solve_rcpsp",
 ]

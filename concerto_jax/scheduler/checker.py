@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from concerto_jax.scheduler.evaluate import Timeline, simulate
+from concerto_jax.simulator.timeline import Timeline, timeline
 from concerto_jax.taskgraph import Event, TaskGraph, TaskGraphError
 
 
@@ -97,7 +97,7 @@ def check_events(
 ) -> Timeline:
     """Check an event order (``TaskGraph.check_schedule``) and its timeline; return the timeline."""
     graph.check_schedule(events)
-    tl = simulate(graph, events)
+    tl = timeline(graph, events)
     check_timeline(graph, tl.start, tl.end, memory_limit_bytes)
     return tl
 

@@ -1,6 +1,6 @@
 """Fast list-scheduling heuristic for task graphs (critical-path priority, early launches).
 
-It simulates the execution semantics of ``concerto_jax.scheduler.evaluate`` while it
+It simulates the execution semantics of ``concerto_jax.simulator.timeline`` while it
 builds the order, so the order it returns achieves the times it planned:
 
 * ready collectives are launched (``START``) by priority while their stream would be
@@ -21,7 +21,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from concerto_jax.scheduler.evaluate import simulate, tails
+from concerto_jax.simulator.timeline import tails, timeline
 from concerto_jax.taskgraph import Event, Phase, TaskGraph
 
 
@@ -269,7 +269,7 @@ def justified_schedule(
 
     Args:
       graph: the task graph.
-      start_us, end_us: the timeline of the schedule to improve (``evaluate.simulate``).
+      start_us, end_us: the timeline of the schedule to improve (``simulator.timeline``).
       memory_limit_bytes: passed to the forward list schedules (the backward one only
         ranks tasks).
 
@@ -293,4 +293,4 @@ def justification_priority(graph: TaskGraph, start_us: Sequence[float], end_us: 
     backward = TaskGraph(graph.tasks, graph.succs)
     # latest-ending first; ties: latest-starting first
     rev = list_schedule(backward, priority=[e + 1e-6 * s for s, e in zip(start_us, end_us, strict=True)])
-    return list(simulate(backward, rev).end)
+    return list(timeline(backward, rev).end)

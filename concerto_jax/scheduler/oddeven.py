@@ -33,10 +33,10 @@ import numpy as np
 
 from concerto_jax.scheduler.checker import peak_memory
 from concerto_jax.scheduler.decode import decode_window
-from concerto_jax.scheduler.evaluate import IncrementalTimeline
 from concerto_jax.scheduler.program_model import solve_program
 from concerto_jax.scheduler.progress import Progress
 from concerto_jax.scheduler.rcpsp import SchedulerError, SolverParams
+from concerto_jax.simulator.timeline import IncrementalTimeline
 from concerto_jax.taskgraph import Event, TaskGraph
 
 logger = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ Pipeline for one ``TaskGraph``::
     idle streams             │
     full CP-SAT (small graphs, warm-started from the better heuristic) ──┘
 
-Every candidate is an event order judged by ``evaluate`` (the execution semantics of
+Every candidate is an event order judged by ``makespan`` (the execution semantics of
 ``concerto_jax.taskgraph``); the result is never slower than the input order.
 
 References: Concerto (ASPLOS'25) §4.2-4.4.
@@ -23,11 +23,12 @@ from collections.abc import Sequence
 
 from concerto_jax.scheduler.checker import peak_memory
 from concerto_jax.scheduler.decode import decode
-from concerto_jax.scheduler.evaluate import lower_bound, simulate
 from concerto_jax.scheduler.heuristics import justification_priority, list_schedule
 from concerto_jax.scheduler.oddeven import OddEvenOptions, odd_even
 from concerto_jax.scheduler.program_model import solve_program
 from concerto_jax.scheduler.rcpsp import SchedulerError, SolverParams, SolverTimeout
+from concerto_jax.simulator.bounds import lower_bounds
+from concerto_jax.simulator.timeline import timeline
 from concerto_jax.taskgraph import Event, TaskGraph
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ class ScheduleOptions:
     # A budget the caller knows the program may use whatever the input order's peak: the
     # limit is then max(memory_limit_ratio x input peak, memory_budget_bytes) (never below
     # the input order's peak). compile_for_target passes the limit XLA's own GPU scheduler
-    # holds itself to on the target (``target.program.xla_scheduler_memory_limit``).
+    # holds itself to on the target (``deviceless.program.xla_scheduler_memory_limit``).
     # Ignored when memory_limit_bytes is set or memory_limit_ratio is None.
     memory_budget_bytes: int | None = None
     odd_even: OddEvenOptions | None = OddEvenOptions()  # None: no window search
@@ -133,7 +134,7 @@ def list_schedule_within(graph: TaskGraph, make, limit: int | None,
     rejects it). ``limit`` None: one run, no memory rule.
     """
     events = make(limit)
-    tl = simulate(graph, events)
+    tl = timeline(graph, events)
     if limit is None:
         return events, tl, 0
     peak = peak_memory(graph, tl.start, tl.end)
@@ -145,7 +146,7 @@ def list_schedule_within(graph: TaskGraph, make, limit: int | None,
             break
         tries += 1
         events = make(guide)
-        tl = simulate(graph, events)
+        tl = timeline(graph, events)
         peak = peak_memory(graph, tl.start, tl.end)
         if peak < best[0]:
             best = (peak, events, tl)
@@ -199,7 +200,7 @@ def schedule(
         initial = list(initial)
         graph.check_schedule(initial)
     start_order = initial if initial is not None else graph.synchronous_schedule()
-    stl = simulate(graph, start_order)
+    stl = timeline(graph, start_order)
     input_peak = peak_memory(graph, stl.start, stl.end)
     limit = options.memory_limit_for(input_peak)
     # A limit above every output's bytes together cannot bind, whatever the order: the
@@ -213,7 +214,7 @@ def schedule(
     rejected: list[tuple[int, float, str, list[Event]]] = []  # over the memory limit
 
     def consider(source: str, events: list[Event], tl=None) -> float:
-        tl = tl or simulate(graph, events)
+        tl = tl or timeline(graph, events)
         peak = peak_memory(graph, tl.start, tl.end) if limit is not None else 0
         if limit is not None and peak > limit:
             stats[f"{source}_peak_bytes"] = peak
@@ -269,13 +270,13 @@ def schedule(
     if limit is not None and not cands:
         # Memory fallback: program order, collectives synchronous (no early launches).
         consider("program", graph.synchronous_schedule())
-    lb = lower_bound(graph)
+    lb = lower_bounds(graph).bound_us
     # CP-SAT's hint and horizon: that list schedule if it is within the limit, else the best
     # candidate that is (a horizon from a list schedule over the limit can be shorter than
     # every order within it, and CP-SAT then proves "infeasible": a 35-task conditional
     # branch whose input order alone fits)
     if cands and hint_source not in {c[1] for c in cands}:
-        hint_tl = simulate(graph, min(cands, key=lambda c: c[0])[2])
+        hint_tl = timeline(graph, min(cands, key=lambda c: c[0])[2])
     if len(graph) <= options.full_model_max_tasks and hint_tl.makespan > lb + 1e-9:
         params = SolverParams(time_limit_s=options.full_model_time_limit_s,
                               num_workers=options.num_workers, seed=options.seed,
@@ -314,7 +315,7 @@ def schedule(
                      odd_even_accepted=oe.blocks_accepted, odd_even_s=oe.wall_time_s)
         if oe.makespan_us < makespan:
             events, makespan = list(oe.events), oe.makespan_us
-    tl = simulate(graph, events)
+    tl = timeline(graph, events)
     wall = time.perf_counter() - t0
     logger.info("scheduled %d tasks: %.1f µs (lower bound %.1f, input %s, from %s) in %.2fs",
                 len(graph), makespan, lb, input_makespan, source, wall)

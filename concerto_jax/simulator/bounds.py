@@ -55,11 +55,18 @@ def critical_path(graph: TaskGraph) -> tuple[float, list[int]]:
 
 
 def lower_bounds(graph: TaskGraph) -> LowerBounds:
-    """``max(total compute, busiest communication stream)`` and the critical path of ``graph``."""
-    compute = sum(t.duration_us for t in graph.tasks if t.stream == COMPUTE_STREAM)
+    """``max(total compute, busiest communication stream)`` and the critical path of ``graph``.
+
+    Each stream's total is accumulated in task order with ``+=`` (not ``sum()``, which Python
+    >= 3.12 compensates): the scheduler compares makespans against ``bound_us`` and must see
+    the same figure on every Python.
+    """
+    compute = 0.0
     per_stream: dict[int, float] = {}
     for t in graph.tasks:
-        if t.stream != COMPUTE_STREAM:
+        if t.stream == COMPUTE_STREAM:
+            compute += t.duration_us
+        else:
             per_stream[t.stream] = per_stream.get(t.stream, 0.0) + t.duration_us
     cp, _ = critical_path(graph)
     return LowerBounds(compute, max(per_stream.values(), default=0.0), cp)

@@ -98,8 +98,12 @@ def difference(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]
 
 
 def minus(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> float:
-    """Length of ``union(a) - union(b)`` for disjoint sorted inputs."""
-    return measure(difference(a, b))
+    """Length of ``union(a) - union(b)`` for disjoint sorted inputs (summed left to right with
+    ``+=``: Python >= 3.12's ``sum`` of floats is compensated and rounds differently)."""
+    total = 0.0
+    for s, e in difference(a, b):
+        total += e - s
+    return total
 
 
 def peak_live_bytes(graph: TaskGraph, timings: Sequence[TaskTiming], step_end: float) -> int:

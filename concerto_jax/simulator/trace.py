@@ -7,7 +7,7 @@ import logging
 import os
 from collections.abc import Mapping
 
-from concerto_jax.simulator.result import SimResult
+from concerto_jax.simulator.result import SimResult, difference, union
 from concerto_jax.taskgraph import COMPUTE_STREAM, TaskGraph
 
 log = logging.getLogger(__name__)
@@ -76,10 +76,10 @@ def write_gantt(path: str | os.PathLike, result: SimResult, graph: TaskGraph | N
       The path written.
     """
     try:
-        import matplotlib
+        import matplotlib  # lazy: an optional dependency (the [plot] extra)
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # lazy: after matplotlib.use
     except ImportError as e:  # pragma: no cover - depends on the install
         raise ImportError("write_gantt needs matplotlib: pip install 'concerto_jax[plot]'") from e
     streams = sorted(result.stream_utilisation)
@@ -111,8 +111,6 @@ def write_gantt(path: str | os.PathLike, result: SimResult, graph: TaskGraph | N
 
 def exposed_intervals(result: SimResult) -> list[tuple[float, float]]:
     """Where a collective is in flight and no kernel runs (``SimResult.exposed_comm_us`` as spans)."""
-    from concerto_jax.simulator.result import difference, union
-
     compute = union((t.start_us, t.end_us) for t in result.timings if t.stream == COMPUTE_STREAM)
     comm = union((t.start_us, t.end_us) for t in result.timings if t.stream != COMPUTE_STREAM)
     return difference(comm, compute)
@@ -162,15 +160,13 @@ def write_gantt_comparison(path: str | os.PathLike, runs, *, title: str = "") ->
       The path written.
     """
     try:
-        import matplotlib
+        import matplotlib  # lazy: an optional dependency (the [plot] extra)
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
+        import matplotlib.pyplot as plt  # lazy: after matplotlib.use
+        from matplotlib.patches import Patch  # lazy: optional dependency
     except ImportError as e:  # pragma: no cover - depends on the install
         raise ImportError("write_gantt_comparison needs matplotlib: pip install 'concerto_jax[plot]'") from e
-    from concerto_jax.simulator.result import union
-
     palette = {"all-reduce": "tab:orange", "all-gather": "tab:green", "reduce-scatter": "tab:purple",
                "all-to-all": "tab:olive", "collective-permute": "tab:brown"}
     ms = 1e-3

@@ -28,7 +28,7 @@ def main() -> int:
     from jax.sharding import PartitionSpec as P
 
     import concerto_jax
-    from concerto_jax import gpu_executor
+    from concerto_jax.gpu_route import route
 
     mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     ws = NamedSharding(mesh, P(None, "tp"))
@@ -48,9 +48,9 @@ def main() -> int:
         def boom(*a, **k):
             raise RuntimeError(f"synthetic failure at {args.break_stage} in this process")
         attr = {"plan": "plan", "backend_compile": "compile", "target_config": "target"}[args.break_stage]
-        setattr(gpu_executor.CpuRehearsal, attr, boom)
+        setattr(route.CpuRehearsal, attr, boom)
 
-    with gpu_executor.rehearse():
+    with route.rehearse():
         opt = concerto_jax.optimize(step, concerto_jax.Options(passes=("schedule",)))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

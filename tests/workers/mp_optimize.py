@@ -24,7 +24,7 @@ def main() -> int:
     from jax.sharding import PartitionSpec as P
 
     import concerto_jax
-    from concerto_jax import pipeline
+    from hlo_passes.registry import PASSES
 
     mesh = jax.make_mesh((2, 4), ("dp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     ws = NamedSharding(mesh, P(None, "tp"))
@@ -41,11 +41,9 @@ def main() -> int:
     x = jax.make_array_from_callback((8, 16), xs, lambda idx: np.cos(np.arange(128, dtype=np.float32)).reshape(8, 16)[idx])
 
     if args.break_on == jax.process_index():
-        import concerto_jax.passes  # noqa: F401
-
         def broken(module, options):
             raise RuntimeError("synthetic failure in this process")
-        pipeline.PASSES["schedule"] = broken
+        PASSES["schedule"] = broken
 
     opt = concerto_jax.optimize(step, concerto_jax.Options(passes=("schedule",)))
     import warnings

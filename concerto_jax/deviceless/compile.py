@@ -1,0 +1,294 @@
+"""Compile a jitted step for a target GPU cluster on a machine without a GPU (deviceless).
+
+Recipe (``docs/ARCHITECTURE.md`` F3, checked with jax/jaxlib 0.10.2): the CUDA PJRT
+plugin describes a topology from a shipped ``GpuTargetConfigProto``
+(``concerto_jax/gpu_configs/*.txtpb``); a mesh over that topology's devices
+gives shardings; ``jit(...).trace(*abstract).lower().compile(options)`` runs
+XLA's GPU compiler (ptxas from ``nvidia-cuda-nvcc``) and ``as_text()`` is the
+final scheduled module. The run must have ``JAX_PLATFORMS=cpu`` (set by the
+caller before JAX starts; this module reads no environment).
+
+Variants: stock (latency hiding scheduler on), with a PGLE profile written
+from our cost model (``pgle.write_profile``; XLA's LHS then uses our costs),
+and with windowed einsum (``xla_gpu_threshold_for_windowed_einsum_mib``). The
+modules just before and after LHS come from an ``xla_dump_to`` dump.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import glob
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.experimental import topologies
+from jax.sharding import AxisType, Mesh
+
+from concerto_jax.capture import restore_parameter_shardings
+from concerto_jax.costmodel.cluster import Cluster, get_cluster
+from concerto_jax.deviceless import cuda_plugin
+
+log = logging.getLogger(__name__)
+
+
+class GpuPluginMissingError(ImportError):
+    """The CUDA PJRT plugin (deviceless GPU compile) is not installed."""
+
+
+def require_gpu_plugin() -> None:
+    """Raise ``GpuPluginMissingError`` unless the CUDA plugin can be imported.
+
+    Raises:
+      GpuPluginMissingError: with the command that installs it.
+    """
+    if not cuda_plugin.ensure_registered():  # site-packages install, or our private directory
+        raise GpuPluginMissingError(
+            "deviceless GPU compile needs the CUDA PJRT plugin, ptxas and libdevice: "
+            "install them with `pip install -e .[gpu]` (nvidia-cuda-nvcc, nvidia-nvvm) and "
+            "`python -m concerto_jax.deviceless.cuda_plugin install` (jax-cuda13-pjrt and "
+            "jax-cuda13-plugin at the jax version, outside JAX's plugin discovery)")
+
+
+def gpu_plugin_available() -> bool:
+    """Whether ``require_gpu_plugin`` would pass."""
+    try:
+        require_gpu_plugin()
+    except GpuPluginMissingError:
+        return False
+    return True
+
+
+@functools.cache
+def topology(cluster: Cluster):
+    """The deviceless ``TopologyDescription`` of ``cluster`` (devices 0..n-1, host-major)."""
+    require_gpu_plugin()
+    return topologies.get_topology_desc(
+        platform="cuda", topology_name=cluster.topology_name, topology=cluster.topology,
+        target_config=cluster.target_config_text())
+
+
+def target_mesh(cluster: Cluster | str, shape: Sequence[int], axis_names: Sequence[str]):
+    """An Auto-axes ``Mesh`` of a cluster's deviceless devices (row-major: the last axis is innermost).
+
+    Args:
+      cluster: a ``Cluster`` or its name in ``concerto_jax.costmodel.CLUSTERS`` (e.g.
+        ``"h100_sxm_8"``, ``"h100_sxm_2x8"``).
+      shape: mesh shape; its product must be the cluster's device count.
+      axis_names: one name per mesh axis.
+
+    Raises:
+      ValueError: unknown cluster name, or a shape that does not cover the cluster.
+    """
+    if isinstance(cluster, str):
+        cluster = get_cluster(cluster)
+    devices = sorted(topology(cluster).devices, key=lambda d: d.id)
+    if int(np.prod(shape)) != len(devices):
+        raise ValueError(f"mesh shape {tuple(shape)} has {int(np.prod(shape))} devices; "
+                         f"cluster {cluster.name!r} has {len(devices)}")
+    return Mesh(np.array(devices).reshape(tuple(shape)), tuple(axis_names),
+                axis_types=(AxisType.Auto,) * len(shape))
+
+
+SCHEDULED_PASS = "apply-xla-transforms"
+"""First pass of XLA's GPU post-scheduling pipelines (jaxlib 0.10.2); its ``before`` dump in
+the pipeline ``SCHEDULED_MARKER`` names is the scheduled module ``RunPostSchedulingPipelines``
+receives."""
+SCHEDULED_MARKER = "post-scheduler-xla-transforms.after_pipeline-start.before_apply-xla-transforms"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileOptions:
+    """One compile variant.
+
+    Attributes:
+      pgle_profile: path of a ``ProfiledInstructionsProto`` text file (see ``pgle``)
+        for XLA's latency hiding scheduler; None for stock.
+      windowed_einsum_mib: enable windowed einsum (collective matmul) for
+        operands above this size in MiB; None leaves it off (XLA default).
+      dump_lhs: also return the modules just before and after the latency hiding scheduler.
+      dump_spmd: also return the per-device module right after SPMD partitioning.
+      dump_scheduled: also return the module XLA's post-scheduling pipelines receive (the
+        schedule of ``ScheduleGpuModule``: LHS's where it runs, the memory scheduler's where it
+        does not, e.g. the A100 targets).
+      extra: more XLA options (values must be Python bools where boolean).
+    """
+
+    pgle_profile: str | None = None
+    windowed_einsum_mib: float | None = None
+    dump_lhs: bool = True
+    dump_spmd: bool = False
+    dump_scheduled: bool = False
+    extra: tuple[tuple[str, object], ...] = ()
+
+    def compiler_options(self, dump_dir: str | None) -> dict[str, object]:
+        opts: dict[str, object] = dict(self.extra)
+        if self.pgle_profile is not None:
+            opts["xla_gpu_pgle_profile_file_or_directory_path"] = os.fspath(self.pgle_profile)
+        if self.windowed_einsum_mib is not None:
+            opts["xla_gpu_threshold_for_windowed_einsum_mib"] = int(self.windowed_einsum_mib)
+        if dump_dir is not None:
+            opts["xla_dump_to"] = dump_dir
+            # constants of more than a few elements are written "{...}" otherwise (a
+            # partition-offset table of a 16-device mesh, a model's constant arrays), and
+            # a module parsed back from the dump would hold other values
+            opts["xla_dump_large_constants"] = True
+            opts["xla_dump_hlo_pass_re"] = "|".join(
+                (["spmd-partitioning"] if self.dump_spmd else []) + ["latency-hiding-scheduler"]
+                + ([SCHEDULED_PASS] if self.dump_scheduled else []))
+        return opts
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetCompile:
+    """Result of a deviceless compile.
+
+    Attributes:
+      cluster: the target.
+      final_text: XLA's final scheduled module (``compiled.as_text()``).
+      before_lhs_text: the module the latency hiding scheduler received (None if not dumped).
+      after_lhs_text: the module right after it.
+      compile_s: wall time of ``compile``.
+      options: the XLA options used.
+      post_spmd_text: the module right after SPMD partitioning (None unless ``dump_spmd``).
+      compiled: JAX's ``Compiled`` object (None where the module was compiled outside JAX's jit).
+      scheduled_text: the module XLA's post-scheduling pipelines received (None unless
+        ``dump_scheduled``, or when XLA wrote no such dump).
+    """
+
+    cluster: Cluster
+    final_text: str
+    before_lhs_text: str | None
+    after_lhs_text: str | None
+    compile_s: float
+    options: dict[str, object]
+    post_spmd_text: str | None = None
+    compiled: object = None
+    scheduled_text: str | None = None
+
+
+def _read_dump(dump_dir: str, marker: str) -> str | None:
+    files = sorted(f for f in glob.glob(os.path.join(dump_dir, "*.txt")) if marker in os.path.basename(f))
+    if not files:
+        return None
+    with open(files[-1]) as f:
+        return f.read()
+
+
+@contextlib.contextmanager
+def _callbacks_without_local_backend():
+    """Let JAX lower host callbacks for a platform this machine has no client of.
+
+    JAX's callback lowering (``emit_python_callback``) asks the module context for the
+    platform's client, which a deviceless target does not have here (``Unknown backend:
+    'gpu'``); on GPU platforms the lowering never uses that client (only TPU does). Inside
+    this context a missing client is ``None`` instead of an error.
+    """
+    from jax._src.interpreters import mlir
+
+    original = mlir.ModuleContext.get_backend
+
+    def get_backend(self, optional: bool = False):
+        try:
+            return original(self, optional)
+        except RuntimeError:
+            return None
+
+    mlir.ModuleContext.get_backend = get_backend
+    try:
+        yield
+    finally:
+        mlir.ModuleContext.get_backend = original
+
+
+def lower_for_target(traced):
+    """``traced.lower()`` for a deviceless target, host callbacks included.
+
+    A step with ``jax.debug.print``, ``jax.debug.callback``, ``io_callback`` or
+    ``pure_callback`` needs the target platform's client to lower its callbacks; without a
+    GPU here it is lowered again with ``_callbacks_without_local_backend`` (the callbacks are
+    never run: a deviceless executable cannot be executed).
+
+    Raises:
+      ValueError: the step still cannot be lowered for the target; says what to do.
+    """
+    try:
+        return traced.lower()
+    except RuntimeError as e:
+        if "Unknown backend" not in str(e):
+            raise
+        first = e
+    log.info("lowering again with host callbacks for a platform without a local client (%s)",
+             str(first).splitlines()[0][:200])
+    try:
+        with _callbacks_without_local_backend():
+            return traced.lower()
+    except Exception as e:  # noqa: BLE001 - one clear error with both causes
+        raise ValueError(
+            f"compile_for_target: the step could not be lowered for the target without a local "
+            f"GPU ({type(first).__name__}: {str(first).splitlines()[0][:200]}; again without the "
+            f"platform's client: {type(e).__name__}: {str(e).splitlines()[0][:200]}). Host "
+            "callbacks (jax.debug.print, io_callback, pure_callback) are the usual cause: compile "
+            "a step without them for the target, or optimize() it on a machine with the GPU"
+        ) from e
+
+
+def _without_host_callbacks(lowered) -> None:
+    """Drop the Python host callbacks of ``lowered``'s compile: the compile-only client of a
+    deviceless target takes none, and its executable never runs them."""
+    args = getattr(getattr(lowered, "_lowering", None), "compile_args", None)
+    if isinstance(args, dict) and args.get("host_callbacks"):
+        log.info("deviceless compile: %d host callback(s) not handed to the compile-only client",
+                 len(args["host_callbacks"]))
+        lowered._lowering.compile_args = {**args, "host_callbacks": []}
+
+
+def compile_lowered(lowered, cluster: Cluster, options: CompileOptions = CompileOptions()) -> TargetCompile:
+    """Compile a ``jax.stages.Lowered`` (traced on a mesh of ``target_mesh``) for ``cluster``.
+
+    Args:
+      lowered: ``jax.jit(f, in_shardings=...).trace(*abstract).lower()``.
+      cluster: the target cluster (only used for the record; the mesh fixes the target).
+      options: the compile variant.
+
+    Returns:
+      A ``TargetCompile`` with XLA's final module and, if asked, the LHS before/after pair.
+    """
+    require_gpu_plugin()
+    _without_host_callbacks(lowered)
+    with tempfile.TemporaryDirectory(prefix="concerto_lhs_") as d:
+        opts = options.compiler_options(d if options.dump_lhs or options.dump_spmd or options.dump_scheduled
+                                        else None)
+        t0 = time.perf_counter()
+        compiled = lowered.compile(compiler_options=opts)
+        dt = time.perf_counter() - t0
+        before = _read_dump(d, "before_latency-hiding-scheduler") if options.dump_lhs else None
+        after = _read_dump(d, "after_latency-hiding-scheduler") if options.dump_lhs else None
+        spmd = _read_dump(d, "after_spmd-partitioning") if options.dump_spmd else None
+        if spmd is not None:  # XLA 0.12 drops the entry parameters' shardings after partitioning
+            spmd = restore_parameter_shardings(spmd, _read_dump(d, "before_spmd-partitioning"))
+        scheduled = _read_dump(d, SCHEDULED_MARKER) if options.dump_scheduled else None
+    opts.pop("xla_dump_to", None)
+    log.info("compiled for %s in %.1fs (options %s)", cluster.name, dt, opts)
+    return TargetCompile(cluster, compiled.as_text(), before, after, dt, opts, spmd, compiled, scheduled)
+
+
+def compile_fn(fn, abstract_args: Sequence, cluster: Cluster, *, in_shardings=None,
+                       out_shardings=None, options: CompileOptions = CompileOptions()) -> TargetCompile:
+    """``jax.jit(fn, in_shardings, out_shardings)`` traced on ``abstract_args`` and compiled for ``cluster``.
+
+    The shardings must be over a mesh from ``target_mesh(cluster, ...)``.
+    """
+    kwargs = {}
+    if in_shardings is not None:
+        kwargs["in_shardings"] = in_shardings
+    if out_shardings is not None:
+        kwargs["out_shardings"] = out_shardings
+    lowered = lower_for_target(jax.jit(fn, **kwargs).trace(*abstract_args))
+    return compile_lowered(lowered, cluster, options)
