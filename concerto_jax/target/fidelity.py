@@ -112,6 +112,13 @@ _CONTROL_FLOW = frozenset({"while", "conditional", "call"})
 
 def judge_module(text: str, cost_model) -> Judged:
     """Every computation of ``text`` simulated in its own order, combined bottom-up, and the bound."""
+    from hlo_passes.parser import parse_module
+
+    return judge_parsed(parse_module(text), cost_model)
+
+
+def judge_parsed(module, cost_model) -> Judged:
+    """``judge_module`` of a parsed module (not modified: one parse serves several cost models)."""
     from concerto_jax.hlo_taskgraph import (
         build_taskgraph,
         control_flow_durations,
@@ -120,9 +127,7 @@ def judge_module(text: str, cost_model) -> Judged:
     )
     from concerto_jax.simulator import SimOptions, lower_bounds, simulate
     from hlo_passes.loops import analyze_while, control_flow_callees, schedulable_computations
-    from hlo_passes.parser import parse_module
 
-    module = parse_module(text)
     sim_opts = SimOptions(overlap_slowdown=cost_model.options.overlap_slowdown, check=False, memory=False)
     times: dict[str, dict[str, float]] = {"own": {}, "bound": {}}
     bodies = {info.body: info for info in loops_of(module).values()}
