@@ -520,8 +520,8 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
                 keep = a[0]["judged"].us < b[0]["judged"].us
                 after = {"rewritten_planned_us": round(a[0]["judged"].us, 1),
                          "without_rewrite_planned_us": round(b[0]["judged"].us, 1)}
-                keep = _robust_keep(envelope, "rewrite_guard", a[0], b[0], guard, keep, seconds,
-                                    key="robust_after_combine_thresholds")
+                keep = _robust_keep(envelope, "rewrite_guard_after_combine_thresholds", a[0], b[0], guard,
+                                    keep, seconds, key="robust_after_combine_thresholds")
                 guard.update(kept=keep, after_combine_thresholds=after)
                 log.info("compile_for_target: %s, both combine-threshold searches: the rewrite "
                          "(%s) plans %.1f us, the original %.1f us",
