@@ -113,12 +113,14 @@ class Options:
     # $XDG_CACHE_HOME/concerto_jax/plans, else ~/.cache/concerto_jax/plans (read at each
     # compile); a directory; None: off.
     cache_dir: str | os.PathLike | None = "auto"
-    # compile_for_target: the cost models a decision that trades extra kernels or bytes for
-    # hidden communication must win under (costmodel.envelope.ENVELOPE: the nominal model and
+    # compile_for_target: the cost models decisions that trade extra kernels or bytes for
+    # hidden communication are judged under (costmodel.envelope.ENVELOPE: the nominal model and
     # each configured GPU figure at both ends of its plausible range). The rewrite guard keeps a
-    # rewrite, the combine-threshold search a threshold, and the final-module guard our program
-    # over stock's only where it is faster under every one (TargetResult.robust: nominal and
-    # worst-case gain per decision). () : the nominal model alone decides (no robust judgement).
+    # rewrite, and the combine-threshold search a threshold, only where its worst-case gain over
+    # stock XLA's program across these models is higher than without it (maximin); the
+    # final-module guard keeps our program only where it is no slower than stock's under every
+    # one (TargetResult.robust: nominal and worst-case gain per decision). () : the nominal
+    # model alone decides (no robust judgement).
     robust: tuple[Variant, ...] = ENVELOPE
 
     def __post_init__(self):

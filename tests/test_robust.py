@@ -198,6 +198,10 @@ def test_rewrite_guard_keeps_a_rewrite_only_where_every_model_agrees():
     dec, guard = _guard(on)
     verdict = RobustVerdict.from_dict(guard["robust"])
     assert guard["kept"] and dec.changed and verdict.keep and verdict.nominal_keep
+    assert verdict.rule == "maximin" and verdict.reference == "stock"
+    assert verdict.candidate_worst > verdict.baseline_worst
+    for worst, us in ((verdict.candidate_worst, "candidate_us"), (verdict.baseline_worst, "baseline_us")):
+        assert worst == pytest.approx(min(f.reference_us / getattr(f, us) for f in verdict.figures), abs=2e-3)
     assert [f.variant for f in verdict.figures] == [v.name for v in ENVELOPE]
     assert all(f.gain > 1.0 for f in verdict.figures), verdict
     assert verdict.worst_gain == min(f.gain for f in verdict.figures) < verdict.nominal_gain
@@ -220,6 +224,7 @@ def test_rewrite_guard_keeps_a_rewrite_only_where_every_model_agrees():
     verdict = RobustVerdict.from_dict(guard["robust"])
     assert verdict.nominal_keep and not verdict.keep and not guard["kept"] and not dec.changed
     assert verdict.worst_variant == "launch_50us" and verdict.worst_gain < 1.0
+    assert verdict.candidate_worst < verdict.baseline_worst
     assert verdict.gain(NOMINAL) == pytest.approx(guard["without_rewrite_planned_us"]
                                                   / guard["rewritten_planned_us"], abs=2e-4)
     # same nominal figures as without the extreme model; the original's plan is handed

@@ -379,16 +379,19 @@ def search_original_too(rewritten_us: float, plain_us: float, searched_rewritten
 
 
 def _robust_keep(envelope, decision: str, candidate: dict, baseline: dict, record: dict, keep: bool,
-                 seconds: dict, key: str = "robust") -> bool:
+                 seconds: dict, key: str = "robust", stock_final: str | None = None) -> bool:
     """``keep`` (the nominal comparison of two plans, ``{"handed", "judged"}``) judged again over
-    the envelope's cost models when there is one: the candidate is kept only if its plan is faster
-    under every one. ``record[key]``: the ``RobustVerdict`` as a dict."""
+    the envelope's cost models when there is one: the candidate's plan is kept only if its
+    worst-case gain over stock XLA's final module ``stock_final`` is higher than the baseline
+    plan's (``Envelope.compare``'s maximin rule; without ``stock_final``: only if it is faster
+    under every model). ``record[key]``: the ``RobustVerdict`` as a dict."""
     if envelope is None:
         return keep
     t0 = time.perf_counter()
     verdict = envelope.compare(decision, candidate["handed"], baseline["handed"], candidate="rewrite",
                                baseline="original",
-                               nominal_us=(candidate["judged"].us, baseline["judged"].us))
+                               nominal_us=(candidate["judged"].us, baseline["judged"].us),
+                               reference_text=stock_final, reference="stock")
     seconds["robust"] = seconds.get("robust", 0.0) + time.perf_counter() - t0
     record[key] = verdict.as_dict()
     return verdict.keep
@@ -413,10 +416,11 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
     search moves its plan by more than that lead. The rewriting passes' records get a
     ``final_module_guard`` entry (and ``changed=False`` if the rewrite is dropped). With an
     ``envelope`` (``costmodel.envelope.Envelope``), each keep-or-drop comparison of the guard
-    keeps the rewrite only where it wins under every model of the envelope (the entry's
+    keeps the rewrite only where its worst-case gain over stock XLA's final module across the
+    envelope's models is higher than the program's without it (maximin; the entry's
     ``robust``, ``robust_after_combine_thresholds``, ``without_split.robust``), and a rewrite
-    the nominal model keeps by more than the margin but another model drops gets both searches
-    too. The kept plan's ``Judged`` is returned as ``planned_judged`` for
+    the nominal model keeps by more than the margin but the maximin rule drops gets both
+    searches too. The kept plan's ``Judged`` is returned as ``planned_judged`` for
     ``fidelity.measure``, which then does not simulate the plan a second time.
     """
     from concerto_jax import pipeline
@@ -482,7 +486,7 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
     def tuned(scheduled_at, plan, src, copts) -> tuple:
         """(plan, scheduled module, compile options, record) after the threshold search."""
         t = _tune_combiners(scheduled_at, env, options, cost_model, plan["judged"].us, src, budget,
-                            envelope=envelope, current_plan=plan)
+                            envelope=envelope, current_plan=plan, stock_final=stock.final_text)
         if t["plan"] is not None:
             return t["plan"], t["scheduled"], t["compile_options"], t["record"]
         return plan, src, copts, t["record"]
@@ -496,7 +500,8 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
         keep = rewritten_us < plain_us
         guard = {"rewritten_planned_us": round(rewritten_us, 1), "without_rewrite_planned_us": round(plain_us, 1),
                  "kept": keep}
-        keep = _robust_keep(envelope, "rewrite_guard", plan, plain, guard, keep, seconds)
+        keep = _robust_keep(envelope, "rewrite_guard", plan, plain, guard, keep, seconds,
+                            stock_final=stock.final_text)
         guard["kept"] = keep
         seconds["rewrite_guard"] = time.perf_counter() - t0
         if tune:
@@ -521,7 +526,8 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
                 after = {"rewritten_planned_us": round(a[0]["judged"].us, 1),
                          "without_rewrite_planned_us": round(b[0]["judged"].us, 1)}
                 keep = _robust_keep(envelope, "rewrite_guard_after_combine_thresholds", a[0], b[0], guard,
-                                    keep, seconds, key="robust_after_combine_thresholds")
+                                    keep, seconds, key="robust_after_combine_thresholds",
+                                    stock_final=stock.final_text)
                 guard.update(kept=keep, after_combine_thresholds=after)
                 log.info("compile_for_target: %s, both combine-threshold searches: the rewrite "
                          "(%s) plans %.1f us, the original %.1f us",
@@ -553,7 +559,8 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
                 guard["without_split"] = {"planned_us": round(alt["plan"]["judged"].us, 1),
                                           "kept": kept_alt}
                 kept_alt = _robust_keep(envelope, "rewrite_guard_without_split", alt["plan"], plan,
-                                        guard["without_split"], kept_alt, seconds)
+                                        guard["without_split"], kept_alt, seconds,
+                                        stock_final=stock.final_text)
                 guard["without_split"]["kept"] = kept_alt
                 if kept_alt:
                     plan, scheduled_src, compile_options = alt["plan"], alt["src"], alt["copts"]
@@ -681,12 +688,12 @@ def _collectives_by_kind(text: str) -> tuple[dict[str, int], dict[str, tuple]]:
 ROBUST_COMBINE_CHECKS = 3
 """With an envelope, the combine-threshold search checks at most this many of its candidates that
 plan faster than the given settings (fastest first) against the current plan over the envelope's
-cost models, and keeps the first one that wins under every model (none: the given settings)."""
+cost models, and keeps the first one ``Envelope.compare`` keeps (none: the given settings)."""
 
 
 def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: float,
                     current_src: str, budget: int | None = None, envelope=None,
-                    current_plan: dict | None = None) -> dict:
+                    current_plan: dict | None = None, stock_final: str | None = None) -> dict:
     """Plan the program at other XLA combine thresholds and keep the fastest plan if it beats
     ``current_us`` (the plan at the user's settings, of XLA's scheduled module ``current_src``).
 
@@ -715,8 +722,10 @@ def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: fl
 
     With an ``envelope`` and the ``current_plan`` (``{"handed", "judged"}``), the candidates that
     plan faster than the current plan are checked fastest first (at most
-    ``ROBUST_COMBINE_CHECKS``) against it over the envelope's cost models; the first that wins
-    under every one is kept (the record's ``robust``: each check's verdict).
+    ``ROBUST_COMBINE_CHECKS``) against it over the envelope's cost models; the first kept by
+    ``Envelope.compare`` (maximin over stock XLA's final module ``stock_final``: a worst-case
+    gain above the current plan's; without it: faster under every model) is kept (the
+    record's ``robust``: each check's verdict).
 
     Returns:
       ``{"record": PassRecord("combine_thresholds", ...), "plan" (judged: ``plan["judged"]``),
@@ -793,7 +802,8 @@ def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: fl
         for cand in sorted(faster, key=lambda c: c[0].us)[:ROBUST_COMBINE_CHECKS]:
             verdict = envelope.compare("combine_thresholds", cand[1]["handed"], current_plan["handed"],
                                        candidate=f"thresholds {cand[4]}", baseline="given thresholds",
-                                       nominal_us=(cand[0].us, current_us))
+                                       nominal_us=(cand[0].us, current_us), reference_text=stock_final,
+                                       reference="stock")
             checks.append(verdict.as_dict())
             if verdict.keep:
                 best = cand
