@@ -44,6 +44,13 @@ LAYOUTS: dict[str, tuple[str, tuple[int, int], int, bool]] = {
 }
 
 COLUMNS = ("layout", "cluster", "mesh", "scanned", "status", "stock_us", "ours_us", "gain",
+           # bench.robust_columns: the gain's worst case over the plausible cost models, and the
+           # kernels and bytes our program adds
+           "worst_gain", "worst_variant", "adverse_gain", "stock_kernels", "ours_kernels", "added_kernels",
+           "added_mb",
+           # decisions the worst-case rule took otherwise than the nominal model (Options.robust),
+           # and the seconds its judgement took in the compile
+           "robust_changed", "robust_s",
            "stock_compute_us", "ours_compute_us", "stock_comm_us", "ours_comm_us", "bound_us",
            "decomposed", "guard", "peak_mb", "limit_mb", "wall_s")
 
@@ -157,25 +164,29 @@ def build(layout: str, layers: int):
     return step, params, opt_state, data, cluster
 
 
-def compile_layout(layout: str, layers: int):
+def compile_layout(layout: str, layers: int, robust: bool = True):
     """``(TargetResult, cluster)``: one layout through ``compile_for_target`` at the defaults
-    (``passes=("decompose", "schedule")``, nothing else set)."""
+    (``passes=("decompose", "schedule")``, nothing else set; ``robust=False``: with
+    ``Options.robust=()``, the nominal model alone deciding)."""
     import concerto_jax
 
     step, params, opt_state, data, cluster = build(layout, layers)
+    extra = {} if robust else {"robust": ()}
     res = concerto_jax.compile_for_target(step, params, opt_state, data, target=cluster,
                                           options=concerto_jax.Options(passes=("decompose", "schedule"),
-                                                                       target=cluster))
+                                                                       target=cluster, **extra))
     return res, cluster
 
 
-def run_layout(layout: str, layers: int) -> dict:
+def run_layout(layout: str, layers: int, robust: bool = True) -> dict:
     """One layout through ``compile_for_target`` at the defaults; a row of ``COLUMNS``."""
+    from bench import robust_columns
     from concerto_jax.costmodel import CostModel, get_cluster
     from concerto_jax.judge import judge_module
 
     t0 = time.perf_counter()
-    res, cluster = compile_layout(layout, layers)
+    res, cluster = compile_layout(layout, layers, robust)
+    columns = robust_columns.columns(res.stock_final_text, res.final_text, cluster)
     cm = CostModel(get_cluster(cluster))
     stock, ours = judge_module(res.stock_final_text, cm), judge_module(res.final_text, cm)
     dec = next((p for p in res.passes if p.name == "decompose"), None)
@@ -187,6 +198,12 @@ def run_layout(layout: str, layers: int) -> dict:
         "layout": layout, "cluster": cluster, "mesh": "x".join(map(str, mesh)), "scanned": scanned,
         "status": "ok" if res.fallback_reason is None else f"fallback: {res.fallback_reason}",
         "stock_us": round(stock.us, 1), "ours_us": round(ours.us, 1), "gain": round(stock.us / ours.us, 4),
+        **{k: v for k, v in columns.items() if k != "nominal_gain"},
+        "robust_changed": "; ".join(f"{v.decision}: {'kept' if v.keep else 'dropped'} ({v.worst_variant} "
+                                    f"{v.worst_gain}, nominal {v.nominal_gain})"
+                                    for v in res.robust if v.changed_decision)
+                          or ("none" if res.robust else "off"),
+        "robust_s": res.seconds.get("robust", ""),
         "stock_compute_us": round(stock.compute_us, 1), "ours_compute_us": round(ours.compute_us, 1),
         "stock_comm_us": round(stock.comm_us, 1), "ours_comm_us": round(ours.comm_us, 1),
         "bound_us": round(ours.bound_us, 1),
@@ -207,6 +224,8 @@ def run_layout(layout: str, layers: int) -> dict:
 
 
 def write(rows: list[dict], out: str, command: str, elapsed: float) -> None:
+    from bench import robust_columns
+
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "heldout_target.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
@@ -214,6 +233,7 @@ def write(rows: list[dict], out: str, command: str, elapsed: float) -> None:
         w.writerows(rows)
     gains = [r["gain"] for r in rows if isinstance(r.get("gain"), float)]
     geo = math.exp(sum(map(math.log, gains)) / len(gains)) if gains else None
+    worst = [r["worst_gain"] for r in rows if isinstance(r.get("worst_gain"), float)]
     lines = [
         "# Held-out Llama-style step through compile_for_target (defaults)\n",
         f"Command: `{command}` ({elapsed:.0f} s wall). " + (__doc__ or "").split("\n\n")[1].replace("\n", " ") + "\n",
@@ -222,6 +242,10 @@ def write(rows: list[dict], out: str, command: str, elapsed: float) -> None:
     if geo is not None:
         lines.append(f"\nGeomean gain (stock / ours, XLA's final modules): {geo:.4f} "
                      f"over {len(gains)} layouts; lowest {min(gains):.4f}.")
+    if worst:
+        lines.append(f"Worst case over the plausible cost models (costmodel.envelope.ENVELOPE): geomean "
+                     f"{math.exp(sum(map(math.log, worst)) / len(worst)):.4f}, lowest {min(worst):.4f}. "
+                     + robust_columns.legend())
     with open(os.path.join(out, "heldout_target.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -247,12 +271,14 @@ def main(argv=None) -> int:
     parser.add_argument("--layout", action="append", choices=sorted(LAYOUTS))
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--no-robust", dest="robust", action="store_false",
+                        help="Options.robust=(): the nominal cost model alone decides (ablation)")
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # deviceless GPU compiles: JAX itself on CPU
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     command = "python -m bench.heldout_target " + " ".join(argv if argv is not None else sys.argv[1:])
-    rows = run_layouts(args.layout or LAYOUTS, lambda layout: run_layout(layout, args.layers),
+    rows = run_layouts(args.layout or LAYOUTS, lambda layout: run_layout(layout, args.layers, args.robust),
                        lambda rows, elapsed: write(rows, args.out, command.strip(), elapsed), "heldout")
     with open(os.path.join(args.out, "heldout_target.md")) as f:
         sys.stdout.write(f.read())

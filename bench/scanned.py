@@ -77,7 +77,10 @@ VARIANTS = ("scan", "unrolled")
 COLUMNS = (
     "case", "variant", "status", "via", "passes", "memory_ratio", "xla_pipeliner", "cluster", "mesh", "layers", "judged_on",
     "loops", "loop_trips", "collectives", "collectives_in_loops",
-    "stock_us", "final_us", "final_gain", "stock_compute_us", "final_compute_us", "stock_comm_us", "final_comm_us",
+    "stock_us", "final_us", "final_gain",
+    # bench.robust_columns: the gain's worst case over the plausible cost models, kernels and bytes added
+    "worst_gain", "worst_variant", "adverse_gain", "stock_kernels", "ours_kernels", "added_kernels", "added_mb",
+    "stock_compute_us", "final_compute_us", "stock_comm_us", "final_comm_us",
     "planned_us", "final_vs_planned", "bound_us", "stock_bound_us",
     "final_gap_to_bound_pct", "overlap_kept", "planned_overlap_us", "computations", "changed", "survived", "moved",
     "bodies_changed", "bodies_survived", "entry_peak_mb", "entry_limit_mb", "body_peak_mb", "worst_peak_over_limit",
@@ -236,6 +239,10 @@ def run_case(name: str, layout: str, cluster: str, mesh: tuple[int, ...], note: 
                pass_stats="; ".join(f"{r.name}: {_short_stats(r)}" for r in res.passes if r.name != "schedule"))
     stock = judge_module(res.stock_final_text, cost_model)
     final = judge_module(res.final_text, cost_model)
+    from bench import robust_columns
+
+    row.update({k: v for k, v in robust_columns.columns(res.stock_final_text, res.final_text, cluster).items()
+                if k != "nominal_gain"})
     row.update(loops=len(final.loops), loop_trips=" ".join(str(lp["trips"]) for lp in final.loops),
                collectives=final.collectives, collectives_in_loops=final.collectives_in_loops,
                stock_us=round(stock.us, 1), final_us=round(final.us, 1), final_gain=round(stock.us / final.us, 4),
@@ -298,7 +305,9 @@ def _read(path: str) -> str | None:
 
 _MD = (("case", "case"), ("variant", "variant"), ("loop_trips", "loop trips"),
        ("stock_us", "stock XLA"), ("final_us", "**ours: XLA's final module**"),
-       ("final_gain", "gain (stock/final)"), ("stock_compute_us", "stock compute"),
+       ("final_gain", "gain (stock/final)"), ("worst_gain", "worst-case gain"), ("worst_variant", "worst model"),
+       ("adverse_gain", "adverse corner"), ("stock_kernels", "stock kernels"), ("ours_kernels", "ours kernels"),
+       ("added_mb", "added MB"), ("stock_compute_us", "stock compute"),
        ("final_compute_us", "ours: compute"), ("stock_comm_us", "stock comm"), ("final_comm_us", "ours: comm"),
        ("planned_us", "ours: planned"), ("bound_us", "bound"),
        ("overlap_kept", "overlap kept"), ("changed", "changed"), ("survived", "survived"), ("moved", "moved"),
@@ -309,6 +318,8 @@ _MD = (("case", "case"), ("variant", "variant"), ("loop_trips", "loop trips"),
 
 def write(rows: list[dict], out_dir: str, prefix: str, command: str, elapsed: float) -> None:
     """``<prefix>.csv`` (every column) and ``<prefix>.md`` (the table with its legend)."""
+    from bench import robust_columns
+
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{prefix}.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
@@ -336,7 +347,8 @@ def write(rows: list[dict], out_dir: str, prefix: str, command: str, elapsed: fl
         "computations (limit per computation: the larger of memory_limit_ratio x XLA's order's peak and, where "
         "compile_for_target kept the plan within XLA's own scheduler limit, that computation's share of it: "
         "entry 1/2, loop body 1/4). Not measured on a GPU. "
-        f"XLA's collective pipeliner (`xla_gpu_enable_pipelined_*`, stock and ours): {pipeliner_state}.\n",
+        f"XLA's collective pipeliner (`xla_gpu_enable_pipelined_*`, stock and ours): {pipeliner_state}. "
+        + robust_columns.legend() + "\n",
         "| " + " | ".join(label for _, label in _MD) + " |", "|" + "---|" * len(_MD)]
     lines += ["| " + " | ".join(str(r.get(c, "")) for c, _ in _MD) + " |" for r in rows]
     with open(os.path.join(out_dir, f"{prefix}.md"), "w") as f:

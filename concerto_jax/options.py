@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from concerto_jax.costmodel.cluster import CLUSTERS
+from concerto_jax.costmodel.envelope import ENVELOPE, Variant
 from concerto_jax.decompose.options import DecomposeOptions
 from concerto_jax.scheduler import ScheduleOptions
 from hlo_passes.registry import pass_names
@@ -114,6 +115,15 @@ class Options:
     # $XDG_CACHE_HOME/concerto_jax/plans, else ~/.cache/concerto_jax/plans (read at each
     # compile); a directory; None: off.
     cache_dir: str | os.PathLike | None = "auto"
+    # compile_for_target: the cost models decisions that trade extra kernels or bytes for
+    # hidden communication are judged under (costmodel.envelope.ENVELOPE: the nominal model and
+    # each configured GPU figure at both ends of its plausible range). The rewrite guard keeps a
+    # rewrite, and the combine-threshold search a threshold, only where its worst-case gain over
+    # stock XLA's program across these models is higher than without it (maximin); the
+    # final-module guard keeps our program only where it is no slower than stock's under every
+    # one (TargetResult.robust: nominal and worst-case gain per decision). () : the nominal
+    # model alone decides (no robust judgement).
+    robust: tuple[Variant, ...] = ENVELOPE
 
     def __post_init__(self):
         if isinstance(self.passes, str):
@@ -138,6 +148,11 @@ class Options:
         if self.first_step_reference not in ("original", "wider"):
             raise ValueError(f"first_step_reference must be 'original' or 'wider', got "
                              f"{self.first_step_reference!r}")
+        if not isinstance(self.robust, tuple) or not all(isinstance(v, Variant) for v in self.robust):
+            raise TypeError(f"robust must be a tuple of costmodel.envelope.Variant (() : off), got "
+                            f"{self.robust!r}")
+        if len({v.name for v in self.robust}) != len(self.robust):
+            raise ValueError(f"robust: variant names must be unique, got {[v.name for v in self.robust]}")
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
             raise TypeError(f"cache_dir must be a directory, 'auto' or None, got "
                             f"{type(self.cache_dir).__name__}")

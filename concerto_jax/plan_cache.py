@@ -44,6 +44,7 @@ import jax
 
 from concerto_jax import capture as capture_lib
 from concerto_jax import jax_compat, multiprocess, pipeline
+from concerto_jax.costmodel.envelope import RobustVerdict
 from concerto_jax.gpu_route.route import payload_device_count
 from concerto_jax.plan_keys import (
     canonical,
@@ -286,6 +287,7 @@ class TargetCache:
                     if field == "emitted_text":
                         verify(module)
             fields["passes"] = tuple(PassRecord(**p) for p in fields["passes"])
+            fields["robust"] = tuple(RobustVerdict.from_dict(v) for v in fields.get("robust", ()))
         except Exception as e:  # noqa: BLE001 - whatever is wrong, the entry is not trusted
             self.store.reject("target", entry.key, f"its result does not verify ({type(e).__name__}: "
                                                    f"{str(e)[:300]})")
@@ -306,6 +308,7 @@ class TargetCache:
         for field in _TEXTS:
             fields.pop(field, None)
         fields["passes"] = [dataclasses.asdict(p) for p in fields["passes"]]
+        fields["robust"] = [v.as_dict() for v in fields.get("robust", ())]
         try:
             blobs["result.json"] = json.dumps(fields, default=_json_scalar).encode()
         except (TypeError, ValueError) as e:

@@ -55,6 +55,7 @@ from concerto_jax.deviceless.compile import (
     lower_for_target,
     require_gpu_plugin,
 )
+from concerto_jax.judge.envelope import Envelope
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,10 @@ class TargetResult:
         model (backend-only path; None otherwise).
       peak_bytes: the same for our order (never above ``memory_limit_bytes``).
       memory_limit_bytes: the limit the scheduler applied to the entry (None: none).
+      robust: the decisions judged over the plausible cost models (``Options.robust``;
+        ``costmodel.envelope.RobustVerdict``: nominal and worst-case gain, per-model figures),
+        in the order they were taken: the rewrite guard's, the combine-threshold search's,
+        the final-module guard's (ours vs stock). Empty when ``Options.robust`` is ().
     """
 
     target: str
@@ -120,6 +125,7 @@ class TargetResult:
     input_peak_bytes: int | None = None
     peak_bytes: int | None = None
     memory_limit_bytes: int | None = None
+    robust: tuple = ()
 
 
 def _pipeline_options(options):
@@ -263,6 +269,7 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
         options = dataclasses.replace(options, target=target)
     cluster = get_cluster(target)
     cost_model = CostModel(cluster)
+    envelope = Envelope(cluster, options.robust) if options.robust and guard_rewrites else None
     seconds: dict = {}
     t0 = time.perf_counter()
     lowered = lower_for_target(step.trace(*abstract_args, **abstract_kwargs))
@@ -282,7 +289,8 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
     stock_text = stock.final_text
     _dump(options.dump_dir, "captured.hlo", stock.post_spmd_text)
     _dump(options.dump_dir, "stock_final.hlo", stock_text)
-    run = (functools.partial(_backend_only, guard_rewrites=guard_rewrites, lowered=lowered)
+    run = (functools.partial(_backend_only, guard_rewrites=guard_rewrites, lowered=lowered,
+                             envelope=envelope)
            if via == "backend_only" else _pinned)
     try:
         out = run(stock, options, cluster, cost_model, seconds)
@@ -298,12 +306,26 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
     t0 = time.perf_counter()
     m = measure(out["final"], stock_text, cost_model, planned_text=out.get("planned"),
                 planned_judged=out.get("planned_judged"))
-    if guard_rewrites and out["via"] != "stock" and m.final_step_us > m.stock_step_us:
+    slower = guard_rewrites and out["via"] != "stock" and m.final_step_us > m.stock_step_us
+    reason = (f"XLA's final module of the optimised program simulates slower than stock's "
+              f"({m.final_step_us:.1f} vs {m.stock_step_us:.1f} us; planned "
+              f"{m.planned_step_us:.1f}): the stock program is kept")
+    if envelope is not None and out["via"] != "stock" and not slower:
+        # ... under every plausible cost model (costmodel.envelope), not only the nominal one
+        t1 = time.perf_counter()
+        verdict = envelope.compare("final_module_guard", out["final"], stock_text, candidate="ours",
+                                   baseline="stock", nominal_us=(m.final_step_us, m.stock_step_us),
+                                   ties_keep=True)
+        envelope.forget_modules()
+        seconds["robust"] = seconds.get("robust", 0.0) + time.perf_counter() - t1
+        if not verdict.keep:
+            slower = True
+            reason = (f"XLA's final module of the optimised program simulates slower than stock's "
+                      f"under the {verdict.worst_variant} cost model (gain {verdict.worst_gain:.4f}x; "
+                      f"nominal {verdict.nominal_gain:.4f}x): the stock program is kept")
+    if slower:
         # never slower than stock: XLA's backend can undo part of a plan (its module of our
         # order simulates slower than the plan), and below stock our program has no reason to run
-        reason = (f"XLA's final module of the optimised program simulates slower than stock's "
-                  f"({m.final_step_us:.1f} vs {m.stock_step_us:.1f} us; planned "
-                  f"{m.planned_step_us:.1f}): the stock program is kept")
         log.info("compile_for_target(%s): %s", target, reason)
         out = dict(final=stock_text, emitted=None, scheduled=None, passes=out["passes"], pins=0,
                    via="stock", fallback_reason=reason)
@@ -317,7 +339,8 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
         overlap_kept=m.overlap_kept, pins=out["pins"], passes=tuple(out["passes"]),
         fallback_reason=out.get("fallback_reason"), seconds={k: round(v, 2) for k, v in seconds.items()},
         via=out["via"], input_peak_bytes=out.get("input_peak_bytes"), peak_bytes=out.get("peak_bytes"),
-        memory_limit_bytes=out.get("memory_limit_bytes"))
+        memory_limit_bytes=out.get("memory_limit_bytes"),
+        robust=tuple(envelope.verdicts) if envelope is not None else ())
     if cache is not None:
         cache.save(result, failed=out.get("failed", False))
     return result
@@ -354,13 +377,32 @@ def search_original_too(rewritten_us: float, plain_us: float, searched_rewritten
     return rewritten_us - searched_rewritten_us > plain_us - rewritten_us
 
 
+def _robust_keep(envelope, decision: str, candidate: dict, baseline: dict, record: dict, keep: bool,
+                 seconds: dict, key: str = "robust", stock_final: str | None = None) -> bool:
+    """``keep`` (the nominal comparison of two plans, ``{"handed", "judged"}``) judged again over
+    the envelope's cost models when there is one: the candidate's plan is kept only if its
+    worst-case gain over stock XLA's final module ``stock_final`` is higher than the baseline
+    plan's (``Envelope.compare``'s maximin rule; without ``stock_final``: only if it is faster
+    under every model). ``record[key]``: the ``RobustVerdict`` as a dict."""
+    if envelope is None:
+        return keep
+    t0 = time.perf_counter()
+    verdict = envelope.compare(decision, candidate["handed"], baseline["handed"], candidate="rewrite",
+                               baseline="original",
+                               nominal_us=(candidate["judged"].us, baseline["judged"].us),
+                               reference_text=stock_final, reference="stock")
+    seconds["robust"] = seconds.get("robust", 0.0) + time.perf_counter() - t0
+    record[key] = verdict.as_dict()
+    return verdict.keep
+
+
 PLAN_PASSES = frozenset({"schedule", "pin"})
 """Passes that only order the program: on the backend-only path "schedule" runs on XLA's
 scheduled module and "pin" is not used; every other pass rewrites the post-SPMD module first."""
 
 
 def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewrites: bool = True,
-                  lowered=None) -> dict:
+                  lowered=None, envelope=None) -> dict:
     """The backend-only path (module docstring); raises on any failure (the caller falls back).
 
     With ``guard_rewrites``, a program rewritten by the passes before XLA (decompose,
@@ -371,9 +413,14 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
     by less than ``GUARD_RETUNE_MARGIN``, both programs get the combine-threshold search (if
     on) and the searched plans decide; so do they where the rewrite wins by more but its own
     search moves its plan by more than that lead. The rewriting passes' records get a
-    ``final_module_guard`` entry (and ``changed=False`` if the rewrite is dropped). The
-    kept plan's ``Judged`` is returned as ``planned_judged`` for ``judge.measure``,
-    which then does not simulate the plan a second time.
+    ``final_module_guard`` entry (and ``changed=False`` if the rewrite is dropped). With an
+    ``envelope`` (``costmodel.envelope.Envelope``), each keep-or-drop comparison of the guard
+    keeps the rewrite only where its worst-case gain over stock XLA's final module across the
+    envelope's models is higher than the program's without it (maximin; the entry's
+    ``robust``, ``robust_after_combine_thresholds``, ``without_split.robust``), and a rewrite
+    the nominal model keeps by more than the margin but the maximin rule drops gets both
+    searches too. The kept plan's ``Judged`` is returned as ``planned_judged`` for
+    ``judge.measure``, which then does not simulate the plan a second time.
     """
     from concerto_jax import pipeline
     from concerto_jax.deviceless import pjrt_c
@@ -437,7 +484,8 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
 
     def tuned(scheduled_at, plan, src, copts) -> tuple:
         """(plan, scheduled module, compile options, record) after the threshold search."""
-        t = _tune_combiners(scheduled_at, env, options, cost_model, plan["judged"].us, src, budget)
+        t = _tune_combiners(scheduled_at, env, options, cost_model, plan["judged"].us, src, budget,
+                            envelope=envelope, current_plan=plan, stock_final=stock.final_text)
         if t["plan"] is not None:
             return t["plan"], t["scheduled"], t["compile_options"], t["record"]
         return plan, src, copts, t["record"]
@@ -451,6 +499,9 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
         keep = rewritten_us < plain_us
         guard = {"rewritten_planned_us": round(rewritten_us, 1), "without_rewrite_planned_us": round(plain_us, 1),
                  "kept": keep}
+        keep = _robust_keep(envelope, "rewrite_guard", plan, plain, guard, keep, seconds,
+                            stock_final=stock.final_text)
+        guard["kept"] = keep
         seconds["rewrite_guard"] = time.perf_counter() - t0
         if tune:
             # The combine thresholds can decide what the given ones do not. Where the rewrite
@@ -471,9 +522,12 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
             if near_tie or search_original_too(rewritten_us, plain_us, a[0]["judged"].us):
                 b = tuned(scheduled_at_step, plain, stock_src, stock_compile_options)
                 keep = a[0]["judged"].us < b[0]["judged"].us
-                guard.update(kept=keep, after_combine_thresholds={
-                    "rewritten_planned_us": round(a[0]["judged"].us, 1),
-                    "without_rewrite_planned_us": round(b[0]["judged"].us, 1)})
+                after = {"rewritten_planned_us": round(a[0]["judged"].us, 1),
+                         "without_rewrite_planned_us": round(b[0]["judged"].us, 1)}
+                keep = _robust_keep(envelope, "rewrite_guard_after_combine_thresholds", a[0], b[0], guard,
+                                    keep, seconds, key="robust_after_combine_thresholds",
+                                    stock_final=stock.final_text)
+                guard.update(kept=keep, after_combine_thresholds=after)
                 log.info("compile_for_target: %s, both combine-threshold searches: the rewrite "
                          "(%s) plans %.1f us, the original %.1f us",
                          "near tie" if near_tie else "the rewrite's search outran its lead",
@@ -503,6 +557,10 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
                 kept_alt = alt["plan"]["judged"].us < plan["judged"].us
                 guard["without_split"] = {"planned_us": round(alt["plan"]["judged"].us, 1),
                                           "kept": kept_alt}
+                kept_alt = _robust_keep(envelope, "rewrite_guard_without_split", alt["plan"], plan,
+                                        guard["without_split"], kept_alt, seconds,
+                                        stock_final=stock.final_text)
+                guard["without_split"]["kept"] = kept_alt
                 if kept_alt:
                     plan, scheduled_src, compile_options = alt["plan"], alt["src"], alt["copts"]
                     if alt["record"] is not None:
@@ -626,8 +684,15 @@ def _collectives_by_kind(text: str) -> tuple[dict[str, int], dict[str, tuple]]:
     return nbytes, {k: tuple(sorted(v)) for k, v in shapes.items()}
 
 
+ROBUST_COMBINE_CHECKS = 3
+"""With an envelope, the combine-threshold search checks at most this many of its candidates that
+plan faster than the given settings (fastest first) against the current plan over the envelope's
+cost models, and keeps the first one ``Envelope.compare`` keeps (none: the given settings)."""
+
+
 def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: float,
-                    current_src: str, budget: int | None = None) -> dict:
+                    current_src: str, budget: int | None = None, envelope=None,
+                    current_plan: dict | None = None, stock_final: str | None = None) -> dict:
     """Plan the program at other XLA combine thresholds and keep the fastest plan if it beats
     ``current_us`` (the plan at the user's settings, of XLA's scheduled module ``current_src``).
 
@@ -654,6 +719,13 @@ def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: fl
     (NSDI'25) tunes such settings online on the GPU; without a GPU the plan is the
     measurement. A candidate that fails (compile, memory limit) is skipped and recorded.
 
+    With an ``envelope`` and the ``current_plan`` (``{"handed", "judged"}``), the candidates that
+    plan faster than the current plan are checked fastest first (at most
+    ``ROBUST_COMBINE_CHECKS``) against it over the envelope's cost models; the first kept by
+    ``Envelope.compare`` (maximin over stock XLA's final module ``stock_final``: a worst-case
+    gain above the current plan's; without it: faster under every model) is kept (the
+    record's ``robust``: each check's verdict).
+
     Returns:
       ``{"record": PassRecord("combine_thresholds", ...), "plan" (judged: ``plan["judged"]``),
       "scheduled", "compile_options"}``; the last three None when no candidate beats the
@@ -674,6 +746,7 @@ def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: fl
     seen: set = set()
     buckets_at: dict = {None: given_buckets}  # uniform size (None: given) -> buckets per kind
     best = None  # (judged, plan, src, compile_options, setting)
+    faster: list = []  # every candidate that beat current_us, as best's tuples
 
     def attempt(setting: dict[str, int]) -> str | None:
         nonlocal best
@@ -692,6 +765,8 @@ def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: fl
             tried.append({**entry, "error": f"{type(e).__name__}: {str(e)[:200]}"})
             return None
         tried.append({**entry, "planned_us": round(judged.us, 1)})
+        if judged.us < current_us:
+            faster.append((judged, plan, src, compile_options, dict(key)))
         if judged.us < current_us and (best is None or judged.us < best[0].us):
             best = (judged, plan, src, compile_options, dict(key))
         progress.update(candidates=len(tried), given_us=current_us,
@@ -718,6 +793,22 @@ def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: fl
                 else:
                     base[kind] = size
                 attempt(base)
+    checks = []
+    if envelope is not None and current_plan is not None and best is not None:
+        # the nominal choice, then the next fastest, must beat the given settings under every model
+        t1 = time.perf_counter()
+        best = None
+        for cand in sorted(faster, key=lambda c: c[0].us)[:ROBUST_COMBINE_CHECKS]:
+            verdict = envelope.compare("combine_thresholds", cand[1]["handed"], current_plan["handed"],
+                                       candidate=f"thresholds {cand[4]}", baseline="given thresholds",
+                                       nominal_us=(cand[0].us, current_us), reference_text=stock_final,
+                                       reference="stock")
+            checks.append(verdict.as_dict())
+            if verdict.keep:
+                best = cand
+                break
+        log.info("compile_for_target: combine thresholds over the envelope: %s (%.1f s)",
+                 "none kept" if best is None else best[4], time.perf_counter() - t1)
     chosen = None if best is None else best[4]
     stats = {"target": options.target, "current_planned_us": round(current_us, 1),
              "kind_bytes": given, "varied_kinds": varied, "per_kind_round": per_kind,
@@ -728,6 +819,8 @@ def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: fl
                                 for b, v in buckets_at.items()},
              "flags": sorted(combine_threshold_options(0)),
              "chosen": chosen}
+    if checks:
+        stats["robust"] = checks
     if best is not None:
         log.info("compile_for_target: combine thresholds %s plan %.1f us vs %.1f us at the given "
                  "settings: kept", chosen, best[0].us, current_us)

@@ -25,9 +25,10 @@ from concerto_jax.judge.computation import (
     order_from_events,
     plan_computation,
 )
+from concerto_jax.judge.envelope import Envelope
 from concerto_jax.judge.fidelity import Fidelity, measure, overlap_kept
 from concerto_jax.judge.graph import Judgement, judge_graph
-from concerto_jax.judge.module import Judged, judge_module, overlap_by_collective
+from concerto_jax.judge.module import Judged, judge_module, judge_parsed, overlap_by_collective
 from concerto_jax.judge.orders import (
     MappedOrder,
     map_order,
@@ -37,8 +38,8 @@ from concerto_jax.judge.orders import (
 )
 
 __all__ = [
-    "ComputationPlan", "Fidelity", "Judged", "Judgement", "MappedOrder", "budget_share",
-    "judge_computation", "judge_graph", "judge_module", "map_order", "measure", "order_by_priority",
+    "ComputationPlan", "Envelope", "Fidelity", "Judged", "Judgement", "MappedOrder", "budget_share",
+    "judge_computation", "judge_graph", "judge_module", "judge_parsed", "map_order", "measure", "order_by_priority",
     "order_from_events", "overlap_by_collective", "overlap_kept", "plan_computation",
     "planned_events", "scheduling_name",
 ]

@@ -72,7 +72,11 @@ _CONTROL_FLOW = frozenset({"while", "conditional", "call"})
 
 def judge_module(text: str, cost_model) -> Judged:
     """Every computation of ``text`` simulated in its own order, combined bottom-up, and the bound."""
-    module = parse_module(text)
+    return judge_parsed(parse_module(text), cost_model)
+
+
+def judge_parsed(module, cost_model) -> Judged:
+    """``judge_module`` of a parsed module (not modified: one parse serves several cost models)."""
     sim_opts = SimOptions(overlap_slowdown=cost_model.options.overlap_slowdown, check=False, memory=False)
     times: dict[str, dict[str, float]] = {"own": {}, "bound": {}}
     bodies = {info.body: info for info in loops_of(module).values()}
