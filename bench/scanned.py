@@ -4,7 +4,7 @@ For each case (GPT h=2048 with remat, ``--layers`` layers, bf16) in two variants
 ``scan`` (layers under one ``nn.scan``: forward and backward while loops) and
 ``unrolled`` (the same blocks written out), ONE ``concerto_jax.compile_for_target``
 (default path ``backend_only``, XLA's collective pipeliner on for all-gather,
-reduce-scatter and all-reduce: ``xla_gpu_enable_pipelined_*``) gives three modules:
+reduce-scatter and all-reduce: ``xla_gpu_pipeline_*``) gives three modules:
 
 * stock: XLA's final module of the original step (pipeliner + latency hiding
   scheduler), i.e. stock XLA at its best on loops;
@@ -55,15 +55,12 @@ import tempfile
 import time
 
 from bench.suite import BenchCase
+from concerto_jax import jax_compat
 from concerto_jax.judge import judge_module, overlap_kept
 
 log = logging.getLogger(__name__)
 
-PIPELINER = (
-    ("xla_gpu_enable_pipelined_all_gather", True),
-    ("xla_gpu_enable_pipelined_reduce_scatter", True),
-    ("xla_gpu_enable_pipelined_all_reduce", True),
-)
+PIPELINER = jax_compat.collective_pipeliner_options(on=True)
 """XLA's collective pipeliner, on for every collective kind it handles."""
 
 CASES: tuple[tuple[str, str, str, tuple[int, ...], str], ...] = (
@@ -213,7 +210,7 @@ def run_case(name: str, layout: str, cluster: str, mesh: tuple[int, ...], note: 
     from concerto_jax.costmodel import CostModel, get_cluster
     from concerto_jax.scheduler import ScheduleOptions
 
-    xla_options = PIPELINER if pipeliner else tuple((k, False) for k, _ in PIPELINER)
+    xla_options = PIPELINER if pipeliner else jax_compat.collective_pipeliner_options(on=False)
     case = BenchCase(name=f"{name}_{variant}", model="gpt", layout=layout, cluster=cluster, mesh_shape=mesh,
                      config="gpt_0_9b", dtype="bfloat16", xla_options=xla_options, note=note,
                      overrides=(("num_layers", layers), ("scan_layers", variant == "scan"), ("remat", True)))
@@ -347,7 +344,7 @@ def write(rows: list[dict], out_dir: str, prefix: str, command: str, elapsed: fl
         "computations (limit per computation: the larger of memory_limit_ratio x XLA's order's peak and, where "
         "compile_for_target kept the plan within XLA's own scheduler limit, that computation's share of it: "
         "entry 1/2, loop body 1/4). Not measured on a GPU. "
-        f"XLA's collective pipeliner (`xla_gpu_enable_pipelined_*`, stock and ours): {pipeliner_state}. "
+        f"XLA's collective pipeliner (`xla_gpu_pipeline_*`, stock and ours): {pipeliner_state}. "
         + robust_columns.legend() + "\n",
         "| " + " | ".join(label for _, label in _MD) + " |", "|" + "---|" * len(_MD)]
     lines += ["| " + " | ".join(str(r.get(c, "")) for c, _ in _MD) + " |" for r in rows]
@@ -366,7 +363,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--prefix", default="scanned")
     parser.add_argument("--no-xla-pipeliner", dest="pipeliner", action="store_false",
-                        help="turn XLA's collective pipeliner off (xla_gpu_enable_pipelined_*=false) for stock and ours")
+                        help="turn XLA's collective pipeliner off (xla_gpu_pipeline_*=OFF) for stock and ours")
     parser.add_argument("--dump-dir", help="keep each row's modules (captured, stock final, XLA scheduled, "
                         "emitted, final) under DUMP_DIR/<case>_<variant>/")
     parser.add_argument("--thresholds", default=None, metavar="B,B,...",

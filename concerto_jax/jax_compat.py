@@ -99,6 +99,25 @@ SCHEDULED_PASS = "apply-xla-transforms"
 SCHEDULED_MARKER = "post-scheduler-xla-transforms.after_pipeline-start.before_apply-xla-transforms"
 
 
+# -- XLA:GPU flags whose form changed (checked on 0.11.2, 0.12.0.1) ---------------------------
+
+COLLECTIVE_PIPELINER_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+"""The collective kinds XLA:GPU's collective pipeliner moves out of loop bodies."""
+
+
+def collective_pipeliner_options(on: bool) -> tuple[tuple[str, str], ...]:
+    """Compiler options turning XLA:GPU's collective pipeliner on (every collective it can move)
+    or off, for every kind of ``COLLECTIVE_PIPELINER_KINDS``.
+
+    The boolean ``xla_gpu_enable_pipelined_{all_gather,...}`` flags of older XLA are reserved
+    (refused) in 0.11.2 and 0.12: the setting is the enum ``xla_gpu_pipeline_<kind>``
+    (``CollectivePipeliningMode``: DEFAULT, the opt level's choice; OFF; ON, what ``true`` was;
+    EXPLICIT, only collectives marked by the frontend).
+    """
+    mode = "COLLECTIVE_PIPELINING_MODE_ON" if on else "COLLECTIVE_PIPELINING_MODE_OFF"
+    return tuple((f"xla_gpu_pipeline_{kind}", mode) for kind in COLLECTIVE_PIPELINER_KINDS)
+
+
 # -- jaxlib's HLO and MLIR bridges (checked on 0.11.2, 0.12.0.1) -------------------------------
 
 def xla_client():

@@ -173,3 +173,20 @@ def test_spmd_to_replicated_matches_the_jitted_function(name):
                 np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
             else:
                 assert got.tobytes() == want.tobytes(), (name, shard.device)
+
+
+def test_computation_thread_after_the_closing_brace_round_trips_through_xla():
+    """XLA prints a non-main thread's computation as ``}, execution_thread="parallel"`` (async
+    computations, e.g. windowed einsum's); we parse that and print it the same way."""
+    text = (
+        "HloModule m, entry_computation_layout={(f32[4]{0})->f32[4]{0}}\n\n"
+        "%async_comp (p: f32[4]) -> f32[4] {\n  %p = f32[4]{0} parameter(0)\n"
+        "  ROOT %n = f32[4]{0} negate(%p)\n}, execution_thread=\"parallel\"\n\n"
+        "ENTRY %main (x: f32[4]) -> f32[4] {\n  %x = f32[4]{0} parameter(0)\n"
+        "  %s = ((f32[4]{0}), f32[4]{0}, s32[]) async-start(%x), async_execution_thread=\"parallel\", "
+        "calls=%async_comp\n  ROOT %d = f32[4]{0} async-done(%s)\n}\n")
+    module = h.parse_module(text, "thread")
+    assert module.computation("async_comp").execution_thread == '"parallel"'
+    printed = h.module_to_text(module)
+    assert '}, execution_thread="parallel"' in printed
+    assert h.xla_canonical(printed) == h.xla_canonical(text)

@@ -5,6 +5,8 @@ import warnings
 
 import jax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import concerto_jax
 import hlo_passes
@@ -133,3 +135,27 @@ def test_a_module_whose_signature_changed_is_refused_before_loading():
                                          param.shape.layout)
     with pytest.raises(executor.ExecutorError, match="entry parameters differ"):
         executor.check_signature(text, hlo_passes.module_to_text(parsed))
+
+
+def test_collective_pipeliner_flags_are_the_ones_this_xla_accepts():
+    from concerto_jax.costmodel import get_cluster
+    from concerto_jax.deviceless import gpu_plugin_available
+    from concerto_jax.deviceless.compile import CompileOptions, compile_lowered, lower_for_target
+
+    if not gpu_plugin_available():
+        pytest.skip("CUDA PJRT plugin missing: pip install -e .[gpu]")
+    mesh = concerto_jax.target_mesh("h100_sxm_8", (8,), ("x",))
+
+    @jax.jit
+    def scanned(w, x):
+        y, _ = jax.lax.scan(lambda c, wi: (jax.numpy.tanh(c @ wi), None), x, w)
+        return y.sum()
+
+    args = (jax.ShapeDtypeStruct((4, 256, 256), "float32", sharding=NamedSharding(mesh, P(None, "x"))),
+            jax.ShapeDtypeStruct((32, 256), "float32", sharding=NamedSharding(mesh, P())))
+    lowered = lower_for_target(scanned.trace(*args))
+    h100 = get_cluster("h100_sxm_8")
+    for on in (True, False):
+        compile_lowered(lowered, h100, CompileOptions(extra=jax_compat.collective_pipeliner_options(on)))
+    with pytest.raises(Exception, match="xla_gpu_enable_pipelined_all_gather"):  # the old boolean form
+        compile_lowered(lowered, h100, CompileOptions(extra=(("xla_gpu_enable_pipelined_all_gather", True),)))

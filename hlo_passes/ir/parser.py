@@ -6,6 +6,7 @@ are skipped where XLA writes them)::
     module      := 'HloModule' NAME (',' KEY '=' VALUE)* NL sections computation+
     sections    := (SECTION_NAME NL (LINE NL)*)*       # FileNames, StackFrames, ... kept verbatim
     computation := ['ENTRY'] NAME [signature] [',' 'execution_thread=' STRING] '{' NL
+                    ... '}' [',' 'execution_thread=' STRING]   (XLA prints the thread here)
                    instruction* '}'
     instruction := ['ROOT'] NAME '=' shape OPCODE '(' operands ')' (',' KEY '=' VALUE)* NL
     operands    := [[shape] REF (',' [shape] REF)*] | LITERAL (constant) | INT (parameter)
@@ -266,6 +267,15 @@ class _Parser:
             pos = _WS_RE.match(text, pos).end()
             if text.startswith("}", pos):
                 pos += 1
+                # XLA prints a computation's thread after its closing brace:
+                # '}, execution_thread="parallel"' (async computations of a non-main thread)
+                after = self.attributes(pos, extra, None)
+                if "execution_thread" in extra:
+                    comp.execution_thread = extra.pop("execution_thread")
+                if extra:
+                    raise self.error(pos, f"a new line after the computation (unknown attribute "
+                                          f"'{next(iter(extra))}')")
+                pos = after
                 break
             line_pos = pos
             m = _INSTR_RE.match(text, pos)

@@ -63,13 +63,12 @@ def signature_text(comp: Computation) -> str:
 def computation_to_text(comp: Computation) -> str:
     """The computation: header line, indented instructions, closing brace."""
     head = f"{'ENTRY ' if comp.is_entry else ''}%{comp.name} {signature_text(comp)}"
-    if comp.execution_thread is not None:
-        head += f", execution_thread={comp.execution_thread}"
     lines = [head + " {"]
     root = comp.root
     for inst in comp.instructions:
         lines.append("  " + instruction_to_text(inst, root=inst is root))
-    lines.append("}")
+    # after the closing brace, where XLA's printer puts it
+    lines.append("}" if comp.execution_thread is None else f"}}, execution_thread={comp.execution_thread}")
     return "\n".join(lines)
 
 
