@@ -11,7 +11,7 @@ collective is in flight (the replay every figure of a step comes from); ``timeli
 inner loops; ``IncrementalTimeline`` re-times a window of an order).
 """
 
-from concerto_jax.simulator.bounds import LowerBounds, critical_path, lower_bounds
+from concerto_jax.simulator.bounds import LowerBounds, critical_path, lower_bound, lower_bounds
 from concerto_jax.simulator.engine import (
     DEFAULT_OVERLAP_SLOWDOWN,
     SimOptions,
@@ -25,7 +25,7 @@ from concerto_jax.simulator.trace import chrome_trace, write_chrome_trace, write
 
 __all__ = [
     "DEFAULT_OVERLAP_SLOWDOWN", "IncrementalTimeline", "LowerBounds", "SimOptions", "SimResult",
-    "TaskTiming", "Timeline", "chrome_trace", "critical_path", "lower_bounds", "makespan",
+    "TaskTiming", "Timeline", "chrome_trace", "critical_path", "lower_bound", "lower_bounds", "makespan",
     "order_of", "simulate", "simulate_synchronous", "tails", "timeline", "write_chrome_trace",
     "write_gantt",
 ]
