@@ -159,9 +159,9 @@ def reschedule_text(text: str, cost_model, options) -> Rescheduled:
     problems: list[str] = []
     done = []
     for comp in schedulable_computations(module):  # callees first: each planned on its callees' orders
-        plan = plan_computation(module, comp, cost_model, options.scheduler, times, problems)
+        plan, order = plan_computation(module, comp, cost_model, options.scheduler, times, problems)
         if plan.changed:
-            comp.set_order([comp.instruction(n) for n in plan.order])
+            comp.set_order([comp.instruction(n) for n in order])
         done.append(plan)
     if problems:
         message = "; ".join(problems)

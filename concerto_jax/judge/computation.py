@@ -15,7 +15,7 @@ from concerto_jax.hlo_taskgraph import (
 )
 from concerto_jax.judge.graph import Judgement, judge_graph
 from concerto_jax.scheduler import ScheduleOptions
-from concerto_jax.simulator import SimOptions, lower_bounds
+from concerto_jax.simulator import SimOptions, lower_bound
 from concerto_jax.taskgraph import Event, Phase
 from hlo_passes.ir.loops import control_flow_depths, side_effects
 
@@ -77,7 +77,6 @@ class ComputationPlan:
       scheduled_us: one run in the chosen order (nested computations in theirs).
       lower_bound_us: bound of one run (nested computations at their bounds).
       changed: whether its order changed.
-      order: its instructions' names in the planned order (the current order when unchanged).
       trip_count: iterations of the loop whose body it is (None otherwise or unknown).
       carried_bytes: bytes of the loop state of that loop (0 otherwise).
       skipped: why it kept its order ("" when scheduled).
@@ -95,7 +94,6 @@ class ComputationPlan:
     scheduled_us: float
     lower_bound_us: float
     changed: bool
-    order: tuple[str, ...] = ()
     trip_count: int | None = None
     carried_bytes: int = 0
     skipped: str = ""
@@ -124,12 +122,13 @@ def budget_share(module, comp, budget: int) -> int:
 
 
 def plan_computation(module, comp, cost_model: CostModel, schedule: ScheduleOptions, times: dict,
-                     problems: list[str]) -> ComputationPlan:
+                     problems: list[str]) -> tuple[ComputationPlan, tuple[str, ...]]:
     """Plan one computation whose callees are already in ``times`` (the ``schedule`` pass's core).
 
     ``times`` maps ``"program"``/``"scheduled"``/``"bound"`` to ``{computation: µs}``;
-    this computation's three figures are added to it. The computation is not reordered: the
-    caller applies ``ComputationPlan.order`` (``comp.set_order``) before it plans the
+    this computation's three figures are added to it. Returns the plan and its instructions'
+    names in the planned order (the current order when unchanged). The computation is not
+    reordered: the caller applies that order (``comp.set_order``) before it plans the
     computation's callers.
     """
     loops = loops_of(module)
@@ -145,7 +144,7 @@ def plan_computation(module, comp, cost_model: CostModel, schedule: ScheduleOpti
                          nested_us=nested["scheduled"], loop=loop)
     program_graph = with_durations(hg, nested["program"])
     program_us = judge_graph(program_graph, hg.events).makespan_us()
-    bound_us = lower_bounds(with_durations(hg, nested["bound"])).bound_us
+    bound_us = lower_bound(with_durations(hg, nested["bound"]))
     effects = side_effects(comp)
     order = tuple(i.name for i in comp.instructions)
     skipped, source, solver_s = "", "kept", 0.0
@@ -179,6 +178,6 @@ def plan_computation(module, comp, cost_model: CostModel, schedule: ScheduleOpti
         name=comp.name, tasks=len(hg.graph),
         collectives=sum(t.is_collective for t in hg.graph.tasks),
         program_us=program_us, scheduled_us=scheduled_us, lower_bound_us=bound_us,
-        changed=changed, order=order, trip_count=loop.trip_count if is_body else None,
+        changed=changed, trip_count=loop.trip_count if is_body else None,
         carried_bytes=loop.carried_bytes if is_body else 0, skipped=skipped, source=source,
-        solver_s=solver_s, **memory)
+        solver_s=solver_s, **memory), order

@@ -27,7 +27,7 @@ from concerto_jax.scheduler.heuristics import justification_priority, list_sched
 from concerto_jax.scheduler.oddeven import OddEvenOptions, odd_even
 from concerto_jax.scheduler.program_model import solve_program
 from concerto_jax.scheduler.rcpsp import SchedulerError, SolverParams, SolverTimeout
-from concerto_jax.simulator.bounds import lower_bounds
+from concerto_jax.simulator.bounds import lower_bound
 from concerto_jax.simulator.timeline import timeline
 from concerto_jax.taskgraph import Event, TaskGraph
 
@@ -270,7 +270,7 @@ def schedule(
     if limit is not None and not cands:
         # Memory fallback: program order, collectives synchronous (no early launches).
         consider("program", graph.synchronous_schedule())
-    lb = lower_bounds(graph).bound_us
+    lb = lower_bound(graph)
     # CP-SAT's hint and horizon: that list schedule if it is within the limit, else the best
     # candidate that is (a horizon from a list schedule over the limit can be shorter than
     # every order within it, and CP-SAT then proves "infeasible": a 35-task conditional

@@ -12,7 +12,7 @@ collective is in flight (the replay every figure of a step comes from); ``timeli
 inner loops; ``IncrementalTimeline`` re-times a window of an order).
 """
 
-from concerto_jax.simulator.bounds import LowerBounds, critical_path, lower_bounds
+from concerto_jax.simulator.bounds import LowerBounds, critical_path, lower_bound, lower_bounds
 from concerto_jax.simulator.engine import (
     DEFAULT_OVERLAP_SLOWDOWN,
     SimOptions,
@@ -35,7 +35,7 @@ from concerto_jax.simulator.trace import (
 __all__ = [
     "DEFAULT_OVERLAP_SLOWDOWN", "IncrementalTimeline", "LowerBounds", "SimOptions", "SimResult",
     "TaskTiming", "Timeline", "chrome_trace", "chrome_trace_comparison", "critical_path",
-    "exposed_intervals", "lower_bounds", "makespan", "order_of", "simulate", "simulate_synchronous",
-    "tails", "timeline", "write_chrome_trace", "write_chrome_trace_comparison", "write_gantt",
-    "write_gantt_comparison",
+    "exposed_intervals", "lower_bound", "lower_bounds", "makespan", "order_of", "simulate",
+    "simulate_synchronous", "tails", "timeline", "write_chrome_trace", "write_chrome_trace_comparison",
+    "write_gantt", "write_gantt_comparison",
 ]

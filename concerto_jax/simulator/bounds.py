@@ -55,18 +55,22 @@ def critical_path(graph: TaskGraph) -> tuple[float, list[int]]:
 
 
 def lower_bounds(graph: TaskGraph) -> LowerBounds:
-    """``max(total compute, busiest communication stream)`` and the critical path of ``graph``.
-
-    Each stream's total is accumulated in task order with ``+=`` (not ``sum()``, which Python
-    >= 3.12 compensates): the scheduler compares makespans against ``bound_us`` and must see
-    the same figure on every Python.
-    """
-    compute = 0.0
+    """``max(total compute, busiest communication stream)`` and the critical path of ``graph``."""
+    compute = sum(t.duration_us for t in graph.tasks if t.stream == COMPUTE_STREAM)
     per_stream: dict[int, float] = {}
     for t in graph.tasks:
-        if t.stream == COMPUTE_STREAM:
-            compute += t.duration_us
-        else:
+        if t.stream != COMPUTE_STREAM:
             per_stream[t.stream] = per_stream.get(t.stream, 0.0) + t.duration_us
     cp, _ = critical_path(graph)
     return LowerBounds(compute, max(per_stream.values(), default=0.0), cp)
+
+
+def lower_bound(graph: TaskGraph) -> float:
+    """``lower_bounds(graph).bound_us`` with every stream's total, compute included, accumulated
+    with ``+=`` in task order: the scheduler's bound (it gates CP-SAT and odd-even on it, and the
+    ``schedule`` pass reports it). ``lower_bounds`` sums compute with ``sum()``, which Python
+    >= 3.12 compensates, so the two can differ in the last bits; each keeps its figures."""
+    per_stream: dict[int, float] = {COMPUTE_STREAM: 0.0}
+    for t in graph.tasks:
+        per_stream[t.stream] = per_stream.get(t.stream, 0.0) + t.duration_us
+    return max(max(per_stream.values()), critical_path(graph)[0])

@@ -48,9 +48,9 @@ def schedule_pass(module, options: PassOptions) -> PassOutcome:
     problems: list[str] = []
     done = []
     for comp in schedulable_computations(module):  # callees first: each planned on its callees' orders
-        plan = plan_computation(module, comp, cost_model, options.scheduler, times, problems)
+        plan, order = plan_computation(module, comp, cost_model, options.scheduler, times, problems)
         if plan.changed:
-            comp.set_order([comp.instruction(n) for n in plan.order])
+            comp.set_order([comp.instruction(n) for n in order])
         done.append(plan)
     entry = done[-1]
     body_names = {info.body for info in loops_of(module).values()}
