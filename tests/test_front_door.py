@@ -47,6 +47,19 @@ def test_wheel_installs_our_packages_only():
     assert not [p for p in find["include"] if p.split("*")[0].split(".")[0] not in ("concerto_jax", "hlo_passes")]
 
 
+def test_every_data_file_of_the_package_is_installed():
+    """A file the package reads at run time (GPU configs, decompose's calibration, the NCCL tuner's
+    sources) must be package data, or a non-editable install silently runs without it."""
+    import fnmatch
+
+    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    for package in ("concerto_jax", "hlo_passes"):
+        data = [p.relative_to(ROOT / package).as_posix() for p in (ROOT / package).rglob("*")
+                if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts]
+        missing = [f for f in data if not any(fnmatch.fnmatch(f, g) for g in globs.get(package, ()))]
+        assert not missing, f"{package}: not in [tool.setuptools.package-data]: {missing}"
+
+
 def _run_main_job(tmp_path, *flags) -> tuple[str, str, Path]:
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
