@@ -226,8 +226,7 @@ class OptimizedStep:
         try:
             # Process 0 decides (reading and writing the plan cache); every process gets the
             # same plan (or all fall back).
-            decided = (cache.decide(cap, plan) if cache is not None
-                       else multiprocess.leader_decides(text, plan))
+            decided = plan_cache.decide(cache, cap, plan)
             result = pipeline.PipelineResult.from_json(decided)
         except Exception as e:  # noqa: BLE001 - any internal failure must fall back
             return cap, None, e, timings

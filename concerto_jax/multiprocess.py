@@ -21,6 +21,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from hlo_passes.ir import without_source_locations
+
 log = logging.getLogger(__name__)
 
 
@@ -29,14 +31,18 @@ class LeaderPlanError(RuntimeError):
 
 
 def _digest(text: str) -> np.ndarray:
-    return np.frombuffer(hashlib.sha256(text.encode()).digest(), dtype=np.int32).copy()
+    """The program's digest: without the stack tables JAX records of where it was traced (the
+    same step traced from two code paths differs there only)."""
+    return np.frombuffer(hashlib.sha256(without_source_locations(text).encode()).digest(),
+                         dtype=np.int32).copy()
 
 
 def leader_decides(captured_text: str, build: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """Run ``build`` on process 0 only and return its JSON-serialisable result on every process.
 
     Args:
-      captured_text: this process's captured module (all processes must agree on it).
+      captured_text: this process's captured module (all processes must agree on it, source
+        locations aside).
       build: produces the plan (a JSON-serialisable dict); called on the leader only.
 
     Returns:

@@ -56,7 +56,7 @@ from concerto_jax.plan_keys import (
 )
 from concerto_jax.plan_store import PlanStore, key_of, resolve_dir
 from concerto_jax.report import PassRecord
-from hlo_passes.ir import HloModule, parse_module, verify
+from hlo_passes.ir import HloModule, parse_module, verify, without_source_locations
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,8 @@ class StepCache:
         def leader() -> dict:
             t0 = time.perf_counter()
             plan = self._plan if self._plan is not None or self._looked else self._read()
-            if plan is not None and plan.captured != cap.hlo_text:
+            if plan is not None and (without_source_locations(plan.captured)
+                                     != without_source_locations(cap.hlo_text)):
                 self.store.reject("step", self.key, "its captured module differs from the "
                                                           "one this step captured")
                 plan = None
@@ -171,18 +172,7 @@ class StepCache:
             self._write(cap, data)
             return data
 
-        data = multiprocess.leader_decides(cap.hlo_text, leader)
-        if data.pop(_FROM_CACHE, False) and jax.process_count() > 1:
-            ok = True
-            try:
-                _verified_module(data["text"], "plan cache")
-            except Exception as e:  # noqa: BLE001 - reported jointly below
-                log.warning("the leader's cached plan does not verify here: %s", e)
-                ok = False
-            if not multiprocess.all_succeeded(ok):
-                raise multiprocess.LeaderPlanError(
-                    "the plan process 0 read from its plan cache does not verify on every process")
-        return data
+        return _checked(multiprocess.leader_decides(cap.hlo_text, leader))
 
     def _write(self, cap: capture_lib.Capture, data: dict) -> None:
         try:
@@ -237,6 +227,31 @@ class StepCache:
             return
         self.store.write("executable", parts, {"executable.pjrt": payload},
                          {"num_devices": len(cap.device_list)})
+
+
+def _checked(data: dict) -> dict:
+    """The leader's plan as every process takes it: one from the leader's cache is verified on
+    every process (``LeaderPlanError`` on all if one cannot)."""
+    if data.pop(_FROM_CACHE, False) and jax.process_count() > 1:
+        ok = True
+        try:
+            _verified_module(data["text"], "plan cache")
+        except Exception as e:  # noqa: BLE001 - reported jointly below
+            log.warning("the leader's cached plan does not verify here: %s", e)
+            ok = False
+        if not multiprocess.all_succeeded(ok):
+            raise multiprocess.LeaderPlanError(
+                "the plan process 0 read from its plan cache does not verify on every process")
+    return data
+
+
+def decide(cache: StepCache | None, cap: capture_lib.Capture | None, build: Callable[[], dict]) -> dict:
+    """The plan every process runs: ``cache.decide`` where this process has a cache, else the
+    leader's plan (which may come from the leader's cache: a process whose passes cannot be
+    keyed still takes part in the leader's checks)."""
+    if cache is not None:
+        return cache.decide(cap, build)
+    return _checked(multiprocess.leader_decides(cap.hlo_text if cap is not None else "", build))
 
 
 def open_step(fn, args: tuple, kwargs: dict, options) -> StepCache | None:

@@ -159,3 +159,23 @@ def test_collective_pipeliner_flags_are_the_ones_this_xla_accepts():
         compile_lowered(lowered, h100, CompileOptions(extra=jax_compat.collective_pipeliner_options(on)))
     with pytest.raises(Exception, match="xla_gpu_enable_pipelined_all_gather"):  # the old boolean form
         compile_lowered(lowered, h100, CompileOptions(extra=(("xla_gpu_enable_pipelined_all_gather", True),)))
+
+
+def test_one_program_traced_from_two_call_sites_differs_only_in_source_locations():
+    """JAX records where a step was traced; processes (or a plan-cache key) that trace it from
+    different code paths must still agree that it is the same program."""
+    from hlo_passes.ir import without_source_locations
+
+    step, make_args = _mlp_step(_mesh())
+    args = make_args()
+
+    def via_helper():
+        return capture(step, args).hlo_text
+
+    direct = capture(step, args).hlo_text
+    jax.clear_caches()  # trace again, from the helper
+    nested = via_helper()
+    assert direct != nested, "the two traces should record different call stacks"
+    assert without_source_locations(direct) == without_source_locations(nested)
+    assert "stack_frame_id" not in without_source_locations(direct)
+    assert "StackFrames" not in without_source_locations(direct)

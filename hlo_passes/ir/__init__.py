@@ -58,6 +58,7 @@ from hlo_passes.ir.replica_groups import (
 )
 from hlo_passes.ir.shapes import Shape, ShapeSyntaxError, parse_shape
 from hlo_passes.ir.sharding import labels_of_groups, sharding_tile_keys
+from hlo_passes.ir.source_locations import without_source_locations
 from hlo_passes.ir.uniformity import Uniformity
 from hlo_passes.ir.verifier import verify
 from hlo_passes.ir.xla import xla_canonical, xla_parse
@@ -71,5 +72,5 @@ __all__ = [
     "is_partition_of", "labels_of_groups", "loop_state_problem", "max_channel_id",
     "module_to_text", "parse_module", "parse_replica_groups", "parse_shape",
     "schedulable_computations", "sharding_tile_keys", "side_effects", "through_casts", "verify",
-    "xla_canonical", "xla_parse",
+    "xla_canonical", "xla_parse", "without_source_locations",
 ]
