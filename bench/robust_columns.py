@@ -31,23 +31,12 @@ def kernels_and_bytes(text: str) -> tuple[int, float]:
     computation that runs as a sequence of kernels, weighted by how often it runs per step."""
     from concerto_jax.costmodel.compute import kernel_count, work_of
     from concerto_jax.hlo_taskgraph import ALIAS_OPCODES, op_info
-    from hlo_passes.ir.loops import analyze_while, control_flow_callees, schedulable_computations
+    from hlo_passes.ir.loops import runs_per_step, schedulable_computations
     from hlo_passes.ir.parser import parse_module
 
     module = parse_module(text)
     comps = schedulable_computations(module)
-    runs = {comps[-1].name: 1}
-    for comp in reversed(comps):  # callers before callees
-        m = runs.get(comp.name, 0)
-        for inst in comp.instructions:
-            if inst.opcode == "while":
-                info = analyze_while(inst)
-                trips = info.trip_count or 1
-                runs[info.body] = runs.get(info.body, 0) + m * trips
-                runs[info.condition] = runs.get(info.condition, 0) + m * (trips + 1)
-            else:
-                for callee in control_flow_callees(inst):
-                    runs[callee.name] = runs.get(callee.name, 0) + m
+    runs = runs_per_step(comps)
     kernels, nbytes = 0, 0.0
     for comp in comps:
         m = runs.get(comp.name, 0)

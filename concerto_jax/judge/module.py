@@ -14,7 +14,10 @@ from concerto_jax.judge.graph import judge_graph
 from concerto_jax.simulator import SimOptions, lower_bounds
 from concerto_jax.simulator.result import union
 from concerto_jax.taskgraph import COMPUTE_STREAM
-from hlo_passes.ir.loops import analyze_while, control_flow_callees, schedulable_computations
+from hlo_passes.ir.loops import (
+    runs_per_step,
+    schedulable_computations,
+)
 from hlo_passes.ir.parser import parse_module
 
 
@@ -99,18 +102,7 @@ def judge_parsed(module, cost_model) -> Judged:
             n_loop_coll += c
             loops.append({"body": comp.name, "trips": bodies[comp.name].trip_count, "collectives": c,
                           "us": round(sim.step_time_us, 1)})
-    runs = {comps[-1].name: 1}
-    for comp in reversed(comps):  # callers before callees
-        m = runs.get(comp.name, 0)
-        for inst in comp.instructions:
-            if inst.opcode == "while":
-                info = analyze_while(inst)
-                trips = info.trip_count or 1
-                runs[info.body] = runs.get(info.body, 0) + m * trips
-                runs[info.condition] = runs.get(info.condition, 0) + m * (trips + 1)
-            else:
-                for callee in control_flow_callees(inst):
-                    runs[callee.name] = runs.get(callee.name, 0) + m
+    runs = runs_per_step(comps)
     entry = comps[-1].name
     compute = sum(runs.get(c, 0) * w[0] for c, w in own_work.items())
     comm = sum(runs.get(c, 0) * w[1] for c, w in own_work.items())

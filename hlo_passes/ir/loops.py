@@ -308,3 +308,22 @@ def loop_state_problem(inst: Instruction) -> str | None:
     if body.root is None or body.root.opcode != "tuple":
         return "the body does not return a tuple instruction"
     return None
+
+
+def runs_per_step(comps: list) -> dict[str, int]:
+    """How often each computation of ``comps`` (``schedulable_computations``: callees first,
+    the entry last) runs per run of the entry: while bodies by their trip count (1 when
+    unknown), conditions once more, other callees as often as their callers."""
+    runs = {comps[-1].name: 1}
+    for comp in reversed(comps):  # callers before callees
+        m = runs.get(comp.name, 0)
+        for inst in comp.instructions:
+            if inst.opcode == "while":
+                info = analyze_while(inst)
+                trips = info.trip_count or 1
+                runs[info.body] = runs.get(info.body, 0) + m * trips
+                runs[info.condition] = runs.get(info.condition, 0) + m * (trips + 1)
+            else:
+                for callee in control_flow_callees(inst):
+                    runs[callee.name] = runs.get(callee.name, 0) + m
+    return runs
