@@ -54,8 +54,12 @@ def test_every_data_file_of_the_package_is_installed():
 
     globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     for package in ("concerto_jax", "hlo_passes"):
-        data = [p.relative_to(ROOT / package).as_posix() for p in (ROOT / package).rglob("*")
-                if p.is_file() and p.suffix not in (".py", ".pyc") and "__pycache__" not in p.parts]
+        # The repository's own files: build outputs of an install (the tuner's .so) are not sources.
+        tracked = subprocess.run(["git", "ls-files", package], cwd=ROOT, capture_output=True,
+                                 text=True, check=True).stdout.split()
+        assert tracked, f"git ls-files {package} listed nothing"
+        data = [Path(f).relative_to(package).as_posix() for f in tracked
+                if Path(f).suffix not in (".py", ".pyc")]
         missing = [f for f in data if not any(fnmatch.fnmatch(f, g) for g in globs.get(package, ()))]
         assert not missing, f"{package}: not in [tool.setuptools.package-data]: {missing}"
 
