@@ -55,6 +55,7 @@ import time
 from collections.abc import Sequence
 
 from bench import concerto_report, suite
+from concerto_jax.hlo_taskgraph import collective_cost_fn
 from concerto_jax.judge import MappedOrder, map_order, order_by_priority
 
 log = logging.getLogger(__name__)
@@ -135,16 +136,6 @@ def slowdown_bound(total_compute: float, total_comm: float, critical_path: float
     p, c, s = total_compute, total_comm, slowdown
     res = p + c * (1 - 1 / s) if c <= p * s else c
     return max(res, critical_path)
-
-
-def collective_cost_fn(cost_model):
-    """``fuse_collectives`` cost function: the cost model's time of a (fused) collective."""
-
-    def cost(info) -> float:
-        groups = [list(g) for g in info.groups_key[0]] if info.groups_key else [list(range(info.group_size))]
-        return cost_model.collective(info.op, info.bytes, groups).time_us
-
-    return cost
 
 
 def _fused_initial(original, fused_graph, mapping: dict, events: Sequence):

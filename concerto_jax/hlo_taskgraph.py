@@ -306,3 +306,15 @@ def _costed_collective(task: Task, kind: str, start, done, cost_model: CostModel
     info = CollectiveInfo(kind, nbytes, max((len(g) for g in groups), default=1), key, len(hosts) > 1)
     out_bytes = sum(a.bytes for a in array_leaves(done.shape))
     return dataclasses.replace(task, duration_us=cost.time_us, collective=info, out_bytes=out_bytes)
+
+
+def collective_cost_fn(cost_model: CostModel) -> Callable:
+    """Duration (µs) of a (fused) collective's ``CollectiveInfo`` under ``cost_model``
+    (``groups_key[0]`` holds the device groups): the cost of a bucket ``taskgraph.build_fused_graph`` makes."""
+
+    def cost(info) -> float:
+        groups = [list(g) for g in info.groups_key[0]] if info.groups_key and info.groups_key[0] \
+            else [list(range(info.group_size))]
+        return cost_model.collective(info.op, info.bytes, groups).time_us
+
+    return cost

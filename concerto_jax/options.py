@@ -99,6 +99,21 @@ class Options:
     # gathers and gradient reduce-scatters want different sizes): up to
     # (len(combine_thresholds) + 1) more compiles per such kind.
     combine_per_kind: bool = True
+    # How many candidates of that search are compiled beyond the smallest size. The smallest
+    # size is compiled first; every other candidate (each uniform size, and the per-kind
+    # round) is estimated on its module with XLA's combiners emulated
+    # (concerto_jax.deviceless.thresholds), and only the best-estimated ones with a bucket
+    # structure of their own are compiled and planned; the search keeps a real plan only.
+    # None: every candidate compiled (the estimates are still recorded beside the plans).
+    combine_compiles: int | None = 2
+    # compile_for_target: the whole call's time budget in seconds, from the call to the final
+    # compile. Where the optional searches (the combine-threshold candidates, the guard's
+    # search of the original program, the replicated-only alternative) would not fit in what
+    # is left, they are not run; the best plan found so far is kept (never one slower than
+    # stock: the final-module guard still decides) and the records say what was cut
+    # (TargetResult.cut). "auto": deviceless.program.AUTO_BUDGET_FACTOR x stock XLA's compile
+    # of the step, at least AUTO_BUDGET_MIN_S; None: no bound.
+    time_budget_s: float | str | None = "auto"
     # compile_for_target: the memory the "schedule" pass may plan with. "xla": up to the
     # limit XLA's own GPU scheduler holds itself to on the target ((80 % of the device's
     # memory - parameter and output bytes) x xla_gpu_memory_limit_slop_factor %, 95 by
@@ -140,6 +155,14 @@ class Options:
                              f"{self.combine_thresholds!r}")
         if not isinstance(self.combine_per_kind, bool):
             raise TypeError(f"combine_per_kind must be True or False, got {self.combine_per_kind!r}")
+        if self.combine_compiles is not None and (
+                isinstance(self.combine_compiles, bool) or not isinstance(self.combine_compiles, int)
+                or self.combine_compiles < 0):
+            raise ValueError(f"combine_compiles must be an int >= 0 or None, got {self.combine_compiles!r}")
+        if self.time_budget_s is not None and self.time_budget_s != "auto" and (
+                isinstance(self.time_budget_s, bool) or not isinstance(self.time_budget_s, (int, float))
+                or not self.time_budget_s > 0):
+            raise ValueError(f"time_budget_s must be seconds > 0, 'auto' or None, got {self.time_budget_s!r}")
         if self.memory_budget not in ("xla", "input"):
             raise ValueError(f"memory_budget must be 'xla' or 'input', got {self.memory_budget!r}")
         if self.check_first_step not in (True, False, "auto"):

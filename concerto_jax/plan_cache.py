@@ -303,6 +303,7 @@ class TargetCache:
                         verify(module)
             fields["passes"] = tuple(PassRecord(**p) for p in fields["passes"])
             fields["robust"] = tuple(RobustVerdict.from_dict(v) for v in fields.get("robust", ()))
+            fields["cut"] = tuple(fields.get("cut", ()))
         except Exception as e:  # noqa: BLE001 - whatever is wrong, the entry is not trusted
             self.store.reject("target", entry.key, f"its result does not verify ({type(e).__name__}: "
                                                    f"{str(e)[:300]})")

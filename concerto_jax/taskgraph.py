@@ -238,3 +238,52 @@ class TaskGraph:
         for pos, e in enumerate(events):
             if e.phase is Phase.DONE and first[e.task] == pos:
                 raise TaskGraphError(f"collective {self.tasks[e.task].name!r} is DONE before START")
+
+
+def build_fused_graph(
+    graph: TaskGraph, buckets: Sequence[Sequence[int]], cost_fn
+) -> tuple[TaskGraph, dict[str, tuple[str, ...]], list[int]]:
+    """Replace each bucket of two or more collectives by one fused collective (its bytes the
+    members' sum, its duration ``cost_fn(CollectiveInfo)``); the fuse_collectives pass and the
+    combine-threshold estimate (``deviceless.thresholds``) both build their candidates with it.
+
+    Returns:
+      (fused graph, fused name -> original names, original index -> new index).
+    """
+    n = len(graph)
+    leader = list(range(n))
+    for b in buckets:
+        if len(b) > 1:
+            first = min(b)
+            for i in b:
+                leader[i] = first
+    new_index = [-1] * n
+    tasks: list[Task] = []
+    mapping: dict[str, tuple[str, ...]] = {}
+    members: dict[int, list[int]] = {}
+    for i in range(n):
+        members.setdefault(leader[i], []).append(i)
+    for i in range(n):
+        if leader[i] != i:
+            continue
+        new_index[i] = len(tasks)
+        group = members[i]
+        if len(group) == 1:
+            tasks.append(graph.tasks[i])
+            continue
+        ts = [graph.tasks[j] for j in group]
+        c0 = ts[0].collective
+        info = dataclasses.replace(c0, bytes=sum(t.collective.bytes for t in ts))
+        name = f"fused.{ts[0].name}.x{len(ts)}"
+        mapping[name] = tuple(t.name for t in ts)
+        tasks.append(dataclasses.replace(ts[0], name=name, duration_us=float(cost_fn(info)),
+                                         out_bytes=sum(t.out_bytes for t in ts), collective=info))
+    for i in range(n):
+        new_index[i] = new_index[leader[i]]
+    preds: list[set[int]] = [set() for _ in tasks]
+    for i in range(n):
+        me = new_index[i]
+        for p in graph.preds[i]:
+            if new_index[p] != me:
+                preds[me].add(new_index[p])
+    return TaskGraph(tasks, [sorted(p) for p in preds]), mapping, new_index

@@ -466,7 +466,7 @@ def test_combine_thresholds_keep_the_fastest_plan():
     plain = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=base)
     assert "combine_thresholds" not in [p.name for p in plain.passes]
     tuned = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=dataclasses.replace(
-        base, combine_thresholds=(1, 8 << 20)))
+        base, combine_thresholds=(1, 8 << 20), time_budget_s=None))
     rec = next(p for p in tuned.passes if p.name == "combine_thresholds")
     assert rec.stats["flags"] == sorted(combine_threshold_options(0)) and len(rec.stats["flags"]) == 3
     assert rec.stats["kind_bytes"]["all-reduce"] >= 6 * 4 << 20, rec.stats["kind_bytes"]
@@ -574,8 +574,10 @@ def test_combine_thresholds_per_kind_descent():
     # candidate when one beats the given settings.
     step, args = _dp_mlp(layers=4, fsdp=True)
     # robust=(): the nominal model alone chooses (the worst-case rule is tests/test_robust.py's)
+    # combine_compiles=None: every candidate compiled (the pruned search: the test below)
     opts = concerto_jax.Options(passes=("schedule",), fallback=False,
-                                combine_thresholds=(1, 8 << 20, 64 << 20), robust=())
+                                combine_thresholds=(1, 8 << 20, 64 << 20), robust=(),
+                                combine_compiles=None, time_budget_s=None)
     res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=opts)
     rec = next(p for p in res.passes if p.name == "combine_thresholds")
     kinds = rec.stats["kind_bytes"]
@@ -617,6 +619,52 @@ def test_combine_thresholds_per_kind_descent():
     rec_off = next(p for p in off.passes if p.name == "combine_thresholds")
     assert not rec_off.stats["per_kind_round"] and not rec_off.stats["skipped"]
     assert [c["thresholds"] for c in rec_off.stats["candidates"]] == [c["thresholds"] for c in uniform]
+    # every uniform candidate was also estimated on the smallest size's module
+    assert all("estimated_us" in c for c in uniform), uniform
+
+
+@needs_plugin
+def test_combine_thresholds_pruned_by_the_estimate():
+    # Default search: the smallest size is compiled, every other candidate (uniform sizes and
+    # the per-kind round) estimated on its module, and only the best-estimated one with buckets
+    # of its own (combine_compiles=1) compiled and planned. What is kept is a compiled plan.
+    step, args = _dp_mlp(layers=4, fsdp=True)
+    opts = concerto_jax.Options(passes=("schedule",), fallback=False, robust=(), time_budget_s=None,
+                                combine_thresholds=(1, 8 << 20, 64 << 20), combine_compiles=1)
+    res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=opts)
+    rec = next(p for p in res.passes if p.name == "combine_thresholds").stats
+    est = rec["estimates"]
+    assert est["candidates"] >= 3 and est["cycles"] == 0, est
+    cands = rec["candidates"]
+    assert len(cands) == rec["compiled"] == 2, cands  # the smallest, then one estimated
+    assert set(cands[0]["thresholds"].values()) == {1}
+    assert all("planned_us" in c and "estimated_us" in c for c in cands), cands
+    assert cands[1]["thresholds"] != cands[0]["thresholds"]
+    if rec["chosen"] is not None:
+        assert rec["chosen"] in [c["thresholds"] for c in cands]
+        assert res.planned_step_us == pytest.approx(min(c["planned_us"] for c in cands), abs=0.11)
+    assert res.planned_step_us <= rec["current_planned_us"] + 0.11
+    with pytest.raises(ValueError, match="combine_compiles"):
+        concerto_jax.Options(combine_compiles=-1)
+
+
+@needs_plugin
+def test_time_budget_cuts_the_search_and_says_so():
+    # A budget already spent when the search starts: no candidate is compiled, the plan at the
+    # given thresholds is kept, and the result says what was cut.
+    step, args = _dp_mlp(layers=4, fsdp=True)
+    opts = concerto_jax.Options(passes=("schedule",), fallback=False, robust=(), time_budget_s=1e-6,
+                                combine_thresholds=(1, 8 << 20))
+    res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=opts)
+    rec = next(p for p in res.passes if p.name == "combine_thresholds")
+    assert not rec.changed and rec.stats["candidates"] == [], rec.stats
+    assert len(rec.stats["cut_by_time_budget"]) >= 1
+    assert res.cut and "combine thresholds" in res.cut[0], res.cut
+    assert res.planned_step_us == pytest.approx(rec.stats["current_planned_us"], abs=0.11)
+    assert res.final_step_us <= res.stock_step_us + 0.11  # still never slower than stock
+    for bad in (0, -1, "fast", True):
+        with pytest.raises(ValueError, match="time_budget_s"):
+            concerto_jax.Options(time_budget_s=bad)
 
 
 def test_xla_scheduler_memory_limit_formula():

@@ -79,7 +79,7 @@ def _options(passes=()):
     from concerto_jax.decompose.options import DecomposeOptions
     from concerto_jax.scheduler import ScheduleOptions
 
-    return Options(passes=tuple(passes), target=TARGET, validate_with_xla=False,
+    return Options(passes=tuple(passes), target=TARGET, validate_with_xla=False, time_budget_s=None,
                    scheduler=ScheduleOptions(full_model_max_tasks=0, odd_even=None, progress=False),
                    decompose=DecomposeOptions(judge_rounds=0))
 

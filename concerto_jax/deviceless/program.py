@@ -36,6 +36,7 @@ Any failure of either path falls back to the stock program with one
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -55,6 +56,7 @@ from concerto_jax.deviceless.compile import (
     lower_for_target,
     require_gpu_plugin,
 )
+from concerto_jax.deviceless.thresholds import COMBINED_KINDS, CombineProxy
 from concerto_jax.judge.envelope import Envelope
 
 log = logging.getLogger(__name__)
@@ -104,6 +106,7 @@ class TargetResult:
         ``costmodel.envelope.RobustVerdict``: nominal and worst-case gain, per-model figures),
         in the order they were taken: the rewrite guard's, the combine-threshold search's,
         the final-module guard's (ours vs stock). Empty when ``Options.robust`` is ().
+      cut: what ``Options.time_budget_s`` left out, one line each (empty: nothing).
     """
 
     target: str
@@ -126,6 +129,47 @@ class TargetResult:
     peak_bytes: int | None = None
     memory_limit_bytes: int | None = None
     robust: tuple = ()
+    cut: tuple = ()
+
+
+AUTO_BUDGET_FACTOR = 5.0
+"""``Options.time_budget_s="auto"``: the budget is this many times stock XLA's compile of the step
+(the compile-time goal: a first compile within 3x stock's, none above 5x)."""
+AUTO_BUDGET_MIN_S = 60.0
+"""... and never below this (a small step's compile is seconds; its search is too)."""
+
+
+@dataclasses.dataclass
+class TimeBudget:
+    """What is left of ``Options.time_budget_s`` in one ``compile_for_target`` call, and what the
+    budget cut (``TargetResult.cut``)."""
+
+    deadline: float | None = None  # time.perf_counter(); None: no bound
+    compile_s: float = 0.0  # stock XLA's compile of the step: what one more compile may take
+    cut: list = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def start(cls, options, t0: float, stock_compile_s: float) -> TimeBudget:
+        """The budget of a call that began at ``t0`` (``time.perf_counter()``)."""
+        b = getattr(options, "time_budget_s", None)
+        if b is None:
+            return cls(compile_s=stock_compile_s)
+        if b == "auto":
+            b = max(AUTO_BUDGET_MIN_S, AUTO_BUDGET_FACTOR * stock_compile_s)
+        return cls(t0 + float(b), stock_compile_s)
+
+    def left(self) -> float:
+        """Seconds left (inf without a bound)."""
+        return float("inf") if self.deadline is None else self.deadline - time.perf_counter()
+
+    def allows(self, seconds: float, what: str) -> bool:
+        """Whether a step expected to take ``seconds`` fits; if not, ``what`` is recorded as cut."""
+        if self.left() >= seconds:
+            return True
+        self.cut.append(what)
+        log.info("compile_for_target: time budget: %s (%.0f s left, about %.0f s needed)", what,
+                 max(self.left(), 0.0), seconds)
+        return False
 
 
 def _pipeline_options(options):
@@ -271,7 +315,7 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
     cost_model = CostModel(cluster)
     envelope = Envelope(cluster, options.robust) if options.robust and guard_rewrites else None
     seconds: dict = {}
-    t0 = time.perf_counter()
+    t0 = t_call = time.perf_counter()
     lowered = lower_for_target(step.trace(*abstract_args, **abstract_kwargs))
     seconds["lower"] = time.perf_counter() - t0
     cache = plan_cache.open_target(lowered, cluster, options, via=via, guard_rewrites=guard_rewrites)
@@ -282,6 +326,7 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
     stock = compile_lowered(lowered, cluster, CompileOptions(
         dump_lhs=via == "backend_only", dump_spmd=True, dump_scheduled=via == "backend_only", extra=xla_opts))
     seconds["stock_compile"] = stock.compile_s
+    clock = TimeBudget.start(options, t_call, stock.compile_s)
     _check_target_devices(target, _devices_of(stock.compiled))
     if stock.post_spmd_text is None:
         raise RuntimeError("XLA wrote no post-SPMD module for the target compile; is XLA_FLAGS "
@@ -290,7 +335,7 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
     _dump(options.dump_dir, "captured.hlo", stock.post_spmd_text)
     _dump(options.dump_dir, "stock_final.hlo", stock_text)
     run = (functools.partial(_backend_only, guard_rewrites=guard_rewrites, lowered=lowered,
-                             envelope=envelope)
+                             envelope=envelope, clock=clock)
            if via == "backend_only" else _pinned)
     try:
         out = run(stock, options, cluster, cost_model, seconds)
@@ -340,7 +385,7 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
         fallback_reason=out.get("fallback_reason"), seconds={k: round(v, 2) for k, v in seconds.items()},
         via=out["via"], input_peak_bytes=out.get("input_peak_bytes"), peak_bytes=out.get("peak_bytes"),
         memory_limit_bytes=out.get("memory_limit_bytes"),
-        robust=tuple(envelope.verdicts) if envelope is not None else ())
+        robust=tuple(envelope.verdicts) if envelope is not None else (), cut=tuple(clock.cut))
     if cache is not None:
         cache.save(result, failed=out.get("failed", False))
     return result
@@ -402,8 +447,11 @@ scheduled module and "pin" is not used; every other pass rewrites the post-SPMD 
 
 
 def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewrites: bool = True,
-                  lowered=None, envelope=None) -> dict:
+                  lowered=None, envelope=None, clock: TimeBudget | None = None) -> dict:
     """The backend-only path (module docstring); raises on any failure (the caller falls back).
+
+    ``clock`` (``Options.time_budget_s``): the threshold searches and the replicated-only
+    alternative run only as far as it allows.
 
     With ``guard_rewrites``, a program rewritten by the passes before XLA (decompose,
     fuse_collectives, ...) is kept only if its plan on XLA's scheduled module of it is faster
@@ -485,7 +533,8 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
     def tuned(scheduled_at, plan, src, copts) -> tuple:
         """(plan, scheduled module, compile options, record) after the threshold search."""
         t = _tune_combiners(scheduled_at, env, options, cost_model, plan["judged"].us, src, budget,
-                            envelope=envelope, current_plan=plan, stock_final=stock.final_text)
+                            envelope=envelope, current_plan=plan, stock_final=stock.final_text,
+                            clock=clock)
         if t["plan"] is not None:
             return t["plan"], t["scheduled"], t["compile_options"], t["record"]
         return plan, src, copts, t["record"]
@@ -546,7 +595,9 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
                 plan, scheduled_src, compile_options = plain, stock_src, stock_compile_options
             rewritten = False
             dec = next((r for r in records if r.name == "decompose"), None)
-            if dec is not None and dec.stats.get("replicated") and dec.stats.get("split_changed"):
+            if (dec is not None and dec.stats.get("replicated") and dec.stats.get("split_changed")
+                    and (clock is None or clock.allows(clock.compile_s, "the replicated-only "
+                                                       "alternative of the dropped split: not compiled"))):
                 # the split lost, but the replicated-operand collectives may pay alone (a 3-D
                 # dp x fsdp x tp step: its embedding's gather over the data groups, 1.121x ->
                 # 1.133x; docs/DECISIONS.md D23)
@@ -649,11 +700,6 @@ def _rotation_guard(pre, pre_opts, scheduled_src: str, post_spmd: str, devices, 
     return dataclasses.replace(pre, passes=passes), scheduled_src, plan
 
 
-COMBINED_KINDS = ("all-reduce", "all-gather", "reduce-scatter")
-"""Collective kinds whose XLA combine threshold ``Options.combine_thresholds`` sets
-(``autoccl.knobs.gpu_combine_threshold_options``, the flags AutoCCL's online stage 1 tunes)."""
-
-
 def combine_threshold_options(nbytes: int) -> dict[str, int]:
     """XLA compiler options setting every combiner of ``COMBINED_KINDS`` to ``nbytes``."""
     from concerto_jax.autoccl.knobs import gpu_combine_threshold_options
@@ -684,6 +730,12 @@ def _collectives_by_kind(text: str) -> tuple[dict[str, int], dict[str, tuple]]:
     return nbytes, {k: tuple(sorted(v)) for k, v in shapes.items()}
 
 
+PARALLEL_COMPILE_COST = 0.6
+"""The threshold search compiles its estimated candidates side by side (threads; XLA's compile
+releases the GIL): each candidate beyond the first adds this fraction of one compile to the
+batch's wall time where the time budget decides how many fit (two compiles of the held-out
+DP x TP step on 2 cores: 33 s side by side, 43 s one after the other)."""
+
 ROBUST_COMBINE_CHECKS = 3
 """With an envelope, the combine-threshold search checks at most this many of its candidates that
 plan faster than the given settings (fastest first) against the current plan over the envelope's
@@ -692,7 +744,8 @@ cost models, and keeps the first one ``Envelope.compare`` keeps (none: the given
 
 def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: float,
                     current_src: str, budget: int | None = None, envelope=None,
-                    current_plan: dict | None = None, stock_final: str | None = None) -> dict:
+                    current_plan: dict | None = None, stock_final: str | None = None,
+                    clock: TimeBudget | None = None) -> dict:
     """Plan the program at other XLA combine thresholds and keep the fastest plan if it beats
     ``current_us`` (the plan at the user's settings, of XLA's scheduled module ``current_src``).
 
@@ -718,6 +771,13 @@ def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: fl
     (bucket boundaries against layer boundaries), so it is judged by the plan. AutoCCL
     (NSDI'25) tunes such settings online on the GPU; without a GPU the plan is the
     measurement. A candidate that fails (compile, memory limit) is skipped and recorded.
+
+    The smallest size is compiled first; every candidate is estimated on its module
+    (``_estimate_candidates``: the record's ``estimates`` and each candidate's
+    ``estimated_us``), and with ``options.combine_compiles`` only that many of the
+    best-estimated ones are compiled (instead of stages 1 and 2). With a ``clock``
+    (``TimeBudget``), a candidate whose compile (as long as the slowest so far, or stock's)
+    does not fit in what is left is not compiled (``cut_by_time_budget``).
 
     With an ``envelope`` and the ``current_plan`` (``{"handed", "judged"}``), the candidates that
     plan faster than the current plan are checked fastest first (at most
@@ -747,16 +807,32 @@ def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: fl
     buckets_at: dict = {None: given_buckets}  # uniform size (None: given) -> buckets per kind
     best = None  # (judged, plan, src, compile_options, setting)
     faster: list = []  # every candidate that beat current_us, as best's tuples
+    estimates: dict = {}  # candidate key -> the pruning model's estimate (thresholds.CombineProxy)
+    durations: list[float] = []  # seconds per compiled candidate
+    cut: list[dict] = []  # candidates the time budget left out
 
-    def attempt(setting: dict[str, int]) -> str | None:
+    def key_of(setting: dict[str, int]) -> tuple:
+        return tuple(sorted((k, v) for k, v in setting.items() if k in present))
+
+    def compile_at(setting: dict[str, int]):
+        return scheduled_at({**env, **gpu_combine_threshold_options(setting)})
+
+    def attempt(setting: dict[str, int], compiled=None) -> str | None:
+        """Compile (unless ``compiled``: a future of ``compile_at``), plan and record one candidate."""
         nonlocal best
-        key = tuple(sorted((k, v) for k, v in setting.items() if k in present))
+        key = key_of(setting)
         if not key or key in seen:  # nothing set on a present kind: the current plan
             return None
         seen.add(key)
         entry = {"thresholds": dict(key)}
+        if key in estimates:
+            entry["estimated_us"] = round(estimates[key], 1)
+        if compiled is None and clock is not None and clock.left() < max(durations, default=clock.compile_s):
+            cut.append(dict(key))
+            return None
+        t_attempt = time.perf_counter()
         try:
-            src, compile_options = scheduled_at({**env, **gpu_combine_threshold_options(setting)})
+            src, compile_options = compile_at(setting) if compiled is None else compiled.result()
             if src is None:
                 raise RuntimeError("XLA wrote no scheduled module")
             plan = _plan_on(src, options, cost_model, {}, budget)
@@ -764,6 +840,7 @@ def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: fl
         except Exception as e:  # noqa: BLE001 - one candidate; the others and the current plan stand
             tried.append({**entry, "error": f"{type(e).__name__}: {str(e)[:200]}"})
             return None
+        durations.append(time.perf_counter() - t_attempt)
         tried.append({**entry, "planned_us": round(judged.us, 1)})
         if judged.us < current_us:
             faster.append((judged, plan, src, compile_options, dict(key)))
@@ -773,12 +850,42 @@ def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: fl
                         best_us=current_us if best is None else best[0].us)
         return src
 
-    for size in sizes:
-        src = attempt(dict.fromkeys(COMBINED_KINDS, size))
-        if src is not None:
-            buckets_at[size] = _collectives_by_kind(src)[1]
     varied = [k for k in present if sizes and given[k] > min(sizes)]
     per_kind = options.combine_per_kind and len(varied) >= 2
+    proxy_stats: dict = {}
+    if len(sizes) > 1 and present:
+        # the smallest size first: its module is what the others are estimated on
+        src = attempt(dict.fromkeys(COMBINED_KINDS, min(sizes)))
+        if src is not None:
+            buckets_at[min(sizes)] = _collectives_by_kind(src)[1]
+            proxy_stats = _estimate_candidates(src, cost_model, sizes, present, varied, per_kind, given,
+                                               estimates, progress)
+            for t in tried:  # the smallest size's own estimate, beside its plan
+                k = tuple(sorted(t["thresholds"].items()))
+                if k in estimates:
+                    t["estimated_us"] = round(estimates[k], 1)
+    ranked = proxy_stats.get("ranked")
+    if options.combine_compiles is not None and ranked is not None:
+        batch = [c for c in ranked[:options.combine_compiles] if key_of(c) and key_of(c) not in seen]
+        fits = len(batch)
+        if clock is not None:  # as many as fit, compiled side by side (PARALLEL_COMPILE_COST)
+            one = max(durations, default=clock.compile_s)
+            while fits and clock.left() < one * (1 + PARALLEL_COMPILE_COST * (fits - 1)):
+                fits -= 1
+        workers = max(1, min(fits, os.cpu_count() or 1))
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="threshold-compile") as pool:
+            futures = [pool.submit(compile_at, c) for c in batch[:fits]]
+            for c, f in zip(batch[:fits], futures, strict=True):
+                attempt(c, compiled=f)
+        for c in batch[fits:]:
+            seen.add(key_of(c))
+            cut.append(dict(key_of(c)))
+        per_kind = False
+    else:
+        for size in sizes:
+            src = attempt(dict.fromkeys(COMBINED_KINDS, size))
+            if src is not None:
+                buckets_at[size] = _collectives_by_kind(src)[1]
     if per_kind:
         for kind in sorted(varied, key=lambda k: -given[k]):
             for size in (*sizes, None):
@@ -819,6 +926,13 @@ def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: fl
                                 for b, v in buckets_at.items()},
              "flags": sorted(combine_threshold_options(0)),
              "chosen": chosen}
+    if proxy_stats:
+        stats["estimates"] = {k: v for k, v in proxy_stats.items() if k != "ranked"}
+        stats["compiled"] = sum("error" not in t for t in tried)
+    if cut:
+        stats["cut_by_time_budget"] = cut
+        clock.cut.append(f"combine thresholds: {len(cut)} candidate(s) not compiled "
+                         f"({', '.join(str(c) for c in cut[:3])}{', ...' if len(cut) > 3 else ''})")
     if checks:
         stats["robust"] = checks
     if best is not None:
@@ -829,6 +943,59 @@ def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: fl
         return {"record": record, "plan": None, "scheduled": None, "compile_options": None}
     _, plan, src, compile_options, _ = best
     return {"record": record, "plan": plan, "scheduled": src, "compile_options": compile_options}
+
+
+def _estimate_candidates(src: str, cost_model, sizes, present, varied, per_kind: bool, given: dict,
+                         estimates: dict, progress) -> dict:
+    """Estimate every candidate of the threshold search on XLA's module at the smallest size
+    (``thresholds.CombineProxy``) and rank them: the uniform sizes, then (``per_kind``) one round
+    of coordinate descent over the ``varied`` kinds from the best estimated so far. Candidates
+    whose emulated buckets equal the smallest size's, or an earlier-ranked candidate's, are
+    dropped (the same module). Fills ``estimates`` (candidate key -> µs).
+
+    Returns:
+      ``{"ranked": [setting, ...] best first, "model_us": the estimate at the smallest size,
+      "best": the first five ranked with their estimates, "candidates": how many were
+      estimated, "same_buckets": how many dropped, "cycles", "seconds"}``; ``{}`` when the
+      model cannot be built (the search then compiles them all).
+    """
+    t0 = time.perf_counter()
+    try:
+        proxy = CombineProxy(src, cost_model)
+    except Exception as e:  # noqa: BLE001 - the model prunes; without it every candidate compiles
+        log.warning("compile_for_target: combine thresholds: no pruning model (%s: %s); every "
+                    "candidate is compiled", type(e).__name__, str(e)[:200])
+        return {}
+    uniform = {b: dict.fromkeys(COMBINED_KINDS, b) for b in sizes}
+    found: dict = {}  # key -> (us, setting, signature)
+
+    def estimate(setting: dict) -> float:
+        key = tuple(sorted((k, v) for k, v in setting.items() if k in present))
+        if key not in found:
+            found[key] = (proxy.us(setting), dict(setting), proxy.signature(setting))
+            estimates[key] = found[key][0]
+            progress.update(estimated=len(found))
+        return found[key][0]
+
+    for b in sizes:
+        estimate(uniform[b])
+    if per_kind:
+        base = dict(uniform[min(sizes, key=lambda b: estimate(uniform[b]))])
+        for kind in sorted(varied, key=lambda k: -given[k]):
+            base = min(({**base, kind: b} for b in sizes), key=estimate)
+    smallest = found[tuple(sorted((k, min(sizes)) for k in present))]
+    ranked, signatures, best = [], {smallest[2]}, []
+    for us, setting, sig in sorted(found.values(), key=lambda f: f[0]):
+        if sig not in signatures:
+            signatures.add(sig)
+            ranked.append(setting)
+            best.append({"thresholds": {k: v for k, v in setting.items() if k in present},
+                         "estimated_us": round(us, 1)})
+    stats = {"model_us": round(smallest[0], 1), "best": best[:5], "candidates": len(found),
+             "same_buckets": len(found) - 1 - len(ranked), "cycles": proxy.cycles,
+             "seconds": round(time.perf_counter() - t0, 2)}
+    log.info("compile_for_target: combine thresholds estimated: %s", stats)
+    return {"ranked": ranked, **stats}
 
 
 def xla_scheduler_memory_limit(module, gpu, compiler_options=None) -> int:

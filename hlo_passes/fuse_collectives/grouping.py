@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from concerto_jax.scheduler.heuristics import list_schedule
 from concerto_jax.scheduler.progress import Progress
 from concerto_jax.simulator.timeline import timeline
-from concerto_jax.taskgraph import CollectiveInfo, Event, Task, TaskGraph
+from concerto_jax.taskgraph import CollectiveInfo, Event, Task, TaskGraph, build_fused_graph
 
 logger = logging.getLogger(__name__)
 
@@ -67,53 +67,6 @@ def fusion_key(task: Task) -> tuple | None:
     if c is None:
         return None
     return (c.op, c.groups_key, c.group_size, c.crosses_hosts, task.stream)
-
-
-def build_fused_graph(
-    graph: TaskGraph, buckets: Sequence[Sequence[int]], cost_fn: CostFn
-) -> tuple[TaskGraph, dict[str, tuple[str, ...]], list[int]]:
-    """Replace each bucket of two or more collectives by one fused collective.
-
-    Returns:
-      (fused graph, fused name -> original names, original index -> new index).
-    """
-    n = len(graph)
-    leader = list(range(n))
-    for b in buckets:
-        if len(b) > 1:
-            first = min(b)
-            for i in b:
-                leader[i] = first
-    new_index = [-1] * n
-    tasks: list[Task] = []
-    mapping: dict[str, tuple[str, ...]] = {}
-    members: dict[int, list[int]] = {}
-    for i in range(n):
-        members.setdefault(leader[i], []).append(i)
-    for i in range(n):
-        if leader[i] != i:
-            continue
-        new_index[i] = len(tasks)
-        group = members[i]
-        if len(group) == 1:
-            tasks.append(graph.tasks[i])
-            continue
-        ts = [graph.tasks[j] for j in group]
-        c0 = ts[0].collective
-        info = dataclasses.replace(c0, bytes=sum(t.collective.bytes for t in ts))
-        name = f"fused.{ts[0].name}.x{len(ts)}"
-        mapping[name] = tuple(t.name for t in ts)
-        tasks.append(dataclasses.replace(ts[0], name=name, duration_us=float(cost_fn(info)),
-                                         out_bytes=sum(t.out_bytes for t in ts), collective=info))
-    for i in range(n):
-        new_index[i] = new_index[leader[i]]
-    preds: list[set[int]] = [set() for _ in tasks]
-    for i in range(n):
-        me = new_index[i]
-        for p in graph.preds[i]:
-            if new_index[p] != me:
-                preds[me].add(new_index[p])
-    return TaskGraph(tasks, [sorted(p) for p in preds]), mapping, new_index
 
 
 def _reaches(graph: TaskGraph, sources: set[int], targets: set[int]) -> bool:

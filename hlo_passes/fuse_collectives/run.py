@@ -26,27 +26,16 @@ import dataclasses
 import logging
 
 from concerto_jax.costmodel import CostModel, get_cluster
-from concerto_jax.hlo_taskgraph import build_taskgraph
+from concerto_jax.hlo_taskgraph import build_taskgraph, collective_cost_fn
 from concerto_jax.judge import judge_graph
 from concerto_jax.taskgraph import TaskGraph
-from hlo_passes.fuse_collectives.grouping import CostFn, fuse_collectives
+from hlo_passes.fuse_collectives.grouping import fuse_collectives
 from hlo_passes.fuse_collectives.rewrite import fuse_group, fusion_key
 from hlo_passes.ir import module_to_text, parse_module
 from hlo_passes.options import PassOptions
 from hlo_passes.registry import PassOutcome
 
 log = logging.getLogger(__name__)
-
-
-def collective_cost_fn(cost_model: CostModel) -> CostFn:
-    """Duration (µs) of a (fused) collective under ``cost_model``; ``groups_key[0]`` holds the groups."""
-
-    def cost(info) -> float:
-        groups = [list(g) for g in info.groups_key[0]] if info.groups_key and info.groups_key[0] \
-            else [list(range(info.group_size))]
-        return cost_model.collective(info.op, info.bytes, groups).time_us
-
-    return cost
 
 
 def keyed_graph(graph: TaskGraph, entry) -> TaskGraph:
