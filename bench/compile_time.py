@@ -9,6 +9,10 @@ process (what a restarted job pays; nothing warm in memory):
 * ``first_s``: ``compile_for_target`` with ``Options(passes=("decompose", "schedule"))`` and an
   empty plan cache (CPU rows: ``optimize``'s first call minus a steady call).
 * ``cached_s``: the same call again in a new process with the cache the first one filled.
+* ``cut``: what ``Options.time_budget_s`` (default "auto") left out of the first compile.
+* ``all_s``, ``gain_all`` (``--exhaustive``): the first compile with every combine-threshold
+  candidate compiled and no time budget (``combine_compiles=None, time_budget_s=None``): what
+  the pruned search's time and gain are judged against.
 
 The gain column is our simulator's (XLA's final modules, stock vs ours; CPU rows have none:
 ``optimize`` on the CPU mesh is checked, not timed). Ratios are of wall times on the same
@@ -17,7 +21,7 @@ machine in the same run. Stage times are ``TargetResult.seconds`` of the first c
 Command line::
 
     python -m bench.cli compile_time [--layout NAME ...] [--layers 4] [--cpu-case gpt:dp_tp]
-        [--out bench/results]
+        [--exhaustive] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import time
 log = logging.getLogger(__name__)
 
 COLUMNS = ("case", "entry", "stock_s", "first_s", "cached_s", "first_over_stock", "cached_over_stock",
-           "cache_hit", "gain", "stages_s", "status")
+           "cache_hit", "gain", "cut", "all_s", "all_over_stock", "gain_all", "stages_s", "status")
 DEFAULT_LAYOUTS = ("tp", "fsdp", "dp_tp")
 DEFAULT_CPU_CASES = ("gpt:dp_tp",)
 PASSES = ("decompose", "schedule")
@@ -49,6 +53,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--cpu-case", action="append", metavar="MODEL:LAYOUT",
                         help=f"models/ case through optimize on 8 CPU devices (default: {', '.join(DEFAULT_CPU_CASES)})")
     parser.add_argument("--no-cpu", action="store_true", help="skip the optimize rows")
+    parser.add_argument("--exhaustive", action="store_true",
+                        help="also compile each held-out case with every threshold candidate and no time budget "
+                             "(all_s, gain_all: what the pruned search is judged against)")
     parser.add_argument("--out", default="bench/results")
 
 
@@ -66,13 +73,16 @@ def _worker_target(kind: str, layout: str, layers: int, cache_dir: str) -> dict:
     if kind == "stock":
         compile_lowered(lower_for_target(step.trace(params, opt_state, data)), get_cluster(cluster))
         return {"wall_s": time.perf_counter() - t0}
+    # "all": every threshold candidate compiled, no time budget (what the pruning is judged against)
+    search = {"combine_compiles": None, "time_budget_s": None} if kind == "all" else {}
     res = concerto_jax.compile_for_target(step, params, opt_state, data, target=cluster, options=concerto_jax.Options(
-        passes=PASSES, target=cluster, cache_dir=cache_dir))
+        passes=PASSES, target=cluster, cache_dir=cache_dir, **search))
     wall = time.perf_counter() - t0
     cm = CostModel(get_cluster(cluster))
     gain = judge_module(res.stock_final_text, cm).us / judge_module(res.final_text, cm).us
     return {"wall_s": wall, "hit": "plan_cache" in res.seconds, "gain": gain,
-            "seconds": {k: round(v, 1) for k, v in res.seconds.items()}, "fallback": res.fallback_reason}
+            "seconds": {k: round(v, 1) for k, v in res.seconds.items()}, "fallback": res.fallback_reason,
+            "cut": list(res.cut)}
 
 
 def _worker_cpu(kind: str, case_name: str, cache_dir: str) -> dict:
@@ -119,7 +129,7 @@ def _run_worker(*args: str) -> dict:
 
 # -- rows ------------------------------------------------------------------------------------
 
-def _row(case: str, entry: str, worker_args) -> dict:
+def _row(case: str, entry: str, worker_args, exhaustive: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="concerto-compile-time-") as cache_dir:
         stock = _run_worker(*worker_args("stock", cache_dir))
         log.info("%s stock: %.1f s", case, stock["wall_s"])
@@ -127,6 +137,10 @@ def _row(case: str, entry: str, worker_args) -> dict:
         log.info("%s ours, first: %.1f s", case, first["wall_s"])
         cached = _run_worker(*worker_args("ours", cache_dir))
         log.info("%s ours, cached: %.1f s (hit: %s)", case, cached["wall_s"], cached["hit"])
+        every = {}
+        if exhaustive:
+            every = _run_worker(*worker_args("all", cache_dir))
+            log.info("%s ours, every threshold candidate: %.1f s", case, every["wall_s"])
     stages = first.get("seconds") or {}
     status = "ok"
     if first.get("hit"):
@@ -140,6 +154,10 @@ def _row(case: str, entry: str, worker_args) -> dict:
             "first_over_stock": round(first["wall_s"] / stock["wall_s"], 2) if stock["wall_s"] else "",
             "cached_over_stock": round(cached["wall_s"] / stock["wall_s"], 2) if stock["wall_s"] else "",
             "cache_hit": cached.get("hit"), "gain": round(first["gain"], 4) if "gain" in first else "",
+            "cut": "; ".join(first.get("cut") or ()),
+            "all_s": round(every["wall_s"], 2) if every else "",
+            "all_over_stock": round(every["wall_s"] / stock["wall_s"], 2) if every and stock["wall_s"] else "",
+            "gain_all": round(every["gain"], 4) if "gain" in every else "",
             "stages_s": " ".join(f"{k} {v}" for k, v in sorted(stages.items(), key=lambda kv: -kv[1])[:6]),
             "status": status}
 
@@ -184,7 +202,8 @@ def run(args, command: str) -> list[dict]:
                 return ("cpu", kind, name, cache_dir)
             label = f"{name} tiny, 8 CPU devices"
         try:
-            rows.append(_row(label, "compile_for_target" if entry == "target" else "optimize", worker_args))
+            rows.append(_row(label, "compile_for_target" if entry == "target" else "optimize", worker_args,
+                             exhaustive=args.exhaustive and entry == "target"))
         except Exception as e:  # noqa: BLE001 - one broken case must not lose the others
             log.exception("%s failed", label)
             rows.append({"case": label, "status": f"error: {type(e).__name__}: {str(e)[:200]}"})
