@@ -37,6 +37,7 @@ _STATED = {
     "slowdown_1.3": ("overlap_slowdown", 1.3),
     "link_0.6": ("collectives.link_efficiency", 0.6),
     "link_1.0": ("collectives.link_efficiency", 1.0),
+    "nvls_off": ("collectives.nvls", False),
 }
 
 
@@ -51,7 +52,7 @@ def _flat(options: CostOptions) -> dict:
 
 def test_envelope_is_the_nominal_model_and_one_figure_at_a_time():
     names = [v.name for v in ENVELOPE]
-    assert names[0] == NOMINAL and len(set(names)) == len(names) == 12
+    assert names[0] == NOMINAL and len(set(names)) == len(names) == 13
     assert set(names) == {NOMINAL, "gemm_by_shape", *_STATED}
     assert ENVELOPE[0].options == CostOptions() and ENVELOPE[0].gemm_by_shape is None
     nominal = _flat(CostOptions())

@@ -19,9 +19,10 @@ GEMM efficiency                    0.7          0.5, 0.9, and by GEMM size (0.5 
 memory-bound (HBM) efficiency      0.8          0.6, 0.9
 overlap slowdown                   1.1          1.0, 1.3
 link efficiency                    0.8          0.6, 1.0
+NVLS all-reduce (single host)      on           off
 =================================  ===========  =============================================
 
-Why these variants and not a grid. A grid over six figures at both ends is 64 models, each
+Why these variants and not a grid. A grid over seven figures at both ends is 128 models, each
 costing two module simulations per decision. The step time of a fixed module is monotone in
 each figure (more launch overhead, lower efficiency, more slowdown: never faster), and a
 decision's gain ``T(baseline) / T(candidate)`` moves one way along each figure for a given
@@ -29,7 +30,7 @@ pair of programs (the one with more kernels loses as launches cost more, the one
 exposed communication loses as links slow down). Which end hurts depends on the pair (a
 split adds kernels; a combined collective removes some; lower GEMM efficiency lengthens the
 compute a split hides communication behind), so both ends of each figure are judged, one
-figure at a time: 11 models besides the nominal one, and the worst of them is the worst case
+figure at a time: 12 models besides the nominal one, and the worst of them is the worst case
 of any single figure being off by its whole range.
 
 * ``launch_6us`` / ``command_buffer``: 6 µs per kernel (the top of the 1-6 µs range of
@@ -47,6 +48,11 @@ of any single figure being off by its whole range.
   (heavier SM and HBM contention by NCCL's kernels than the 1.2 the Concerto paper assumes).
 * ``link_0.6`` / ``link_1.0``: 0.6 / 1.0 of peak link bandwidth: more or less communication
   to hide.
+* ``nvls_off``: NCCL without NVLS for single-host all-reduces (``CollectiveOptions.nvls``;
+  ``NCCL_NVLS_ENABLE=0``, a container without the NVLink switch's multicast, an NCCL older
+  than 2.17): the all-reduces of a TP step take about 1.3x longer (ring/tree instead of
+  NVLS's 480/370 bus ratio), which moves what a split can hide. On clusters without NVLS it
+  is the nominal model.
 
 Every figure at its hostile end at once (``ADVERSE``: launch 6 µs, GEMMs by shape, HBM at
 0.6, slowdown 1.3, links at 1.0) is not in the set: six independent figures each off by its
@@ -158,6 +164,7 @@ ENVELOPE: tuple[Variant, ...] = (
     Variant("slowdown_1.3", _opts(overlap_slowdown=1.3)),
     Variant("link_0.6", _opts(collectives={"link_efficiency": 0.6})),
     Variant("link_1.0", _opts(collectives={"link_efficiency": 1.0})),
+    Variant("nvls_off", _opts(collectives={"nvls": False})),
 )
 """The plausible cost models (module docstring), the nominal one first."""
 
