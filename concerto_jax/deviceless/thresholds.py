@@ -93,10 +93,10 @@ def _descendants(graph) -> list[int]:
 
 
 def _without_collective_order(hg, comp):
-    """``hg`` without the control edges from one collective to another: XLA orders the
-    collectives of a scheduled module so that every device issues them alike (its
-    collective-schedule linearizer), and that order is made for this module's buckets, not for
-    the emulated ones (kept, it would chain every collective to the ones before it)."""
+    """``hg`` without the control edges from one collective to another: XLA's GPU pipeline may
+    order the collectives of a scheduled module by control edges so that every device issues
+    them alike (its collective-schedule linearizer); such an order is made for this module's
+    buckets, not for the emulated ones, whose merging it could block or turn into a cycle."""
     data = set()
     for inst in comp.instructions:
         v = hg.task_of.get(inst.name)
