@@ -16,7 +16,6 @@ modules just before and after LHS come from an ``xla_dump_to`` dump.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import glob
@@ -31,6 +30,7 @@ import numpy as np
 from jax.experimental import topologies
 from jax.sharding import AxisType, Mesh
 
+from concerto_jax import jax_compat
 from concerto_jax.capture import restore_parameter_shardings
 from concerto_jax.costmodel.cluster import Cluster, get_cluster
 from concerto_jax.deviceless import cuda_plugin
@@ -181,38 +181,12 @@ def _read_dump(dump_dir: str, marker: str) -> str | None:
         return f.read()
 
 
-@contextlib.contextmanager
-def _callbacks_without_local_backend():
-    """Let JAX lower host callbacks for a platform this machine has no client of.
-
-    JAX's callback lowering (``emit_python_callback``) asks the module context for the
-    platform's client, which a deviceless target does not have here (``Unknown backend:
-    'gpu'``); on GPU platforms the lowering never uses that client (only TPU does). Inside
-    this context a missing client is ``None`` instead of an error.
-    """
-    from jax._src.interpreters import mlir
-
-    original = mlir.ModuleContext.get_backend
-
-    def get_backend(self, optional: bool = False):
-        try:
-            return original(self, optional)
-        except RuntimeError:
-            return None
-
-    mlir.ModuleContext.get_backend = get_backend
-    try:
-        yield
-    finally:
-        mlir.ModuleContext.get_backend = original
-
-
 def lower_for_target(traced):
     """``traced.lower()`` for a deviceless target, host callbacks included.
 
     A step with ``jax.debug.print``, ``jax.debug.callback``, ``io_callback`` or
     ``pure_callback`` needs the target platform's client to lower its callbacks; without a
-    GPU here it is lowered again with ``_callbacks_without_local_backend`` (the callbacks are
+    GPU here it is lowered again with ``jax_compat.lowering_without_local_backend`` (the callbacks are
     never run: a deviceless executable cannot be executed).
 
     Raises:
@@ -227,7 +201,7 @@ def lower_for_target(traced):
     log.info("lowering again with host callbacks for a platform without a local client (%s)",
              str(first).splitlines()[0][:200])
     try:
-        with _callbacks_without_local_backend():
+        with jax_compat.lowering_without_local_backend():
             return traced.lower()
     except Exception as e:  # noqa: BLE001 - one clear error with both causes
         raise ValueError(
@@ -237,16 +211,6 @@ def lower_for_target(traced):
             "callbacks (jax.debug.print, io_callback, pure_callback) are the usual cause: compile "
             "a step without them for the target, or optimize() it on a machine with the GPU"
         ) from e
-
-
-def _without_host_callbacks(lowered) -> None:
-    """Drop the Python host callbacks of ``lowered``'s compile: the compile-only client of a
-    deviceless target takes none, and its executable never runs them."""
-    args = getattr(getattr(lowered, "_lowering", None), "compile_args", None)
-    if isinstance(args, dict) and args.get("host_callbacks"):
-        log.info("deviceless compile: %d host callback(s) not handed to the compile-only client",
-                 len(args["host_callbacks"]))
-        lowered._lowering.compile_args = {**args, "host_callbacks": []}
 
 
 def compile_lowered(lowered, cluster: Cluster, options: CompileOptions = CompileOptions()) -> TargetCompile:
@@ -261,7 +225,9 @@ def compile_lowered(lowered, cluster: Cluster, options: CompileOptions = Compile
       A ``TargetCompile`` with XLA's final module and, if asked, the LHS before/after pair.
     """
     require_gpu_plugin()
-    _without_host_callbacks(lowered)
+    dropped = jax_compat.drop_host_callbacks(lowered)
+    if dropped:  # the compile-only client of a deviceless target takes none; it never runs them
+        log.info("deviceless compile: %d host callback(s) not handed to the compile-only client", dropped)
     with tempfile.TemporaryDirectory(prefix="concerto_lhs_") as d:
         opts = options.compiler_options(d if options.dump_lhs or options.dump_spmd or options.dump_scheduled
                                         else None)
