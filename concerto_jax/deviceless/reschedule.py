@@ -25,9 +25,8 @@ import dataclasses
 import logging
 import re
 
-from concerto_jax.judge.computation import plan_computation
+from concerto_jax.judge.computation import plan_module
 from hlo_passes.ir import parse_module
-from hlo_passes.ir.loops import schedulable_computations
 
 log = logging.getLogger(__name__)
 
@@ -155,14 +154,7 @@ def reschedule_text(text: str, cost_model, options) -> Rescheduled:
     if "is_scheduled=true" not in text.split("\n", 1)[0]:
         raise ValueError("reschedule_text needs a scheduled module (is_scheduled=true)")
     module = parse_module(text, source="xla-after-lhs")
-    times: dict[str, dict[str, float]] = {"program": {}, "scheduled": {}, "bound": {}}
-    problems: list[str] = []
-    done = []
-    for comp in schedulable_computations(module):  # callees first: each planned on its callees' orders
-        plan, order = plan_computation(module, comp, cost_model, options.scheduler, times, problems)
-        if plan.changed:
-            comp.set_order([comp.instruction(n) for n in order])
-        done.append(plan)
+    done, problems = plan_module(module, cost_model, options.scheduler)
     if problems:
         message = "; ".join(problems)
         # once per message at WARNING: the threshold search reschedules the same module many times

@@ -24,6 +24,7 @@ from concerto_jax.judge.computation import (
     judge_computation,
     order_from_events,
     plan_computation,
+    plan_module,
 )
 from concerto_jax.judge.envelope import Envelope
 from concerto_jax.judge.fidelity import Fidelity, measure, overlap_kept
@@ -40,6 +41,6 @@ from concerto_jax.judge.orders import (
 __all__ = [
     "ComputationPlan", "Envelope", "Fidelity", "Judged", "Judgement", "MappedOrder", "budget_share",
     "judge_computation", "judge_graph", "judge_module", "judge_parsed", "map_order", "measure", "order_by_priority",
-    "order_from_events", "overlap_by_collective", "overlap_kept", "plan_computation",
+    "order_from_events", "overlap_by_collective", "overlap_kept", "plan_computation", "plan_module",
     "planned_events", "scheduling_name",
 ]

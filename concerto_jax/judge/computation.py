@@ -17,7 +17,7 @@ from concerto_jax.judge.graph import Judgement, judge_graph
 from concerto_jax.scheduler import ScheduleOptions
 from concerto_jax.simulator import SimOptions, lower_bound
 from concerto_jax.taskgraph import Event, Phase
-from hlo_passes.ir.loops import control_flow_depths, side_effects
+from hlo_passes.ir.loops import control_flow_depths, schedulable_computations, side_effects
 
 
 def judge_computation(module, cost_model: CostModel, computation=None, *,
@@ -181,3 +181,21 @@ def plan_computation(module, comp, cost_model: CostModel, schedule: ScheduleOpti
         changed=changed, trip_count=loop.trip_count if is_body else None,
         carried_bytes=loop.carried_bytes if is_body else 0, skipped=skipped, source=source,
         solver_s=solver_s, **memory), order
+
+
+def plan_module(module, cost_model: CostModel, schedule: ScheduleOptions) -> tuple[list[ComputationPlan], list[str]]:
+    """Plan every schedulable computation of ``module`` (``plan_computation``), callees first,
+    each reordered in place before its callers are planned on its order.
+
+    Returns:
+      The plans (the entry's last) and the problems met (one line each).
+    """
+    times: dict[str, dict[str, float]] = {"program": {}, "scheduled": {}, "bound": {}}
+    problems: list[str] = []
+    done = []
+    for comp in schedulable_computations(module):
+        plan, order = plan_computation(module, comp, cost_model, schedule, times, problems)
+        if plan.changed:
+            comp.set_order([comp.instruction(n) for n in order])
+        done.append(plan)
+    return done, problems

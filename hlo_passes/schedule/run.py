@@ -33,8 +33,7 @@ import warnings
 
 from concerto_jax.costmodel import CostModel, get_cluster
 from concerto_jax.hlo_taskgraph import loops_of
-from concerto_jax.judge import plan_computation
-from hlo_passes.ir.loops import schedulable_computations
+from concerto_jax.judge import plan_module
 from hlo_passes.options import PassOptions
 from hlo_passes.registry import PassOutcome
 
@@ -44,14 +43,7 @@ log = logging.getLogger(__name__)
 def schedule_pass(module, options: PassOptions) -> PassOutcome:
     """Reorder every computation of ``module`` by the RCPSP scheduler; see the module docstring."""
     cost_model = CostModel(get_cluster(options.target))
-    times: dict[str, dict[str, float]] = {"program": {}, "scheduled": {}, "bound": {}}
-    problems: list[str] = []
-    done = []
-    for comp in schedulable_computations(module):  # callees first: each planned on its callees' orders
-        plan, order = plan_computation(module, comp, cost_model, options.scheduler, times, problems)
-        if plan.changed:
-            comp.set_order([comp.instruction(n) for n in order])
-        done.append(plan)
+    done, problems = plan_module(module, cost_model, options.scheduler)
     entry = done[-1]
     body_names = {info.body for info in loops_of(module).values()}
     bodies = [c for c in done if c.name in body_names]
