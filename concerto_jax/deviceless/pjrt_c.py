@@ -33,6 +33,7 @@ import logging
 import os
 import threading
 
+from concerto_jax import jax_compat
 from concerto_jax.deviceless import compile as deviceless_compile
 from concerto_jax.deviceless import cuda_plugin
 
@@ -263,39 +264,12 @@ class PjrtCApi:
                 _SerializedDeleter(args.serialized_executable_deleter)(args.serialized_executable)
 
 
-def _varint(data: bytes, i: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        b = data[i]
-        i += 1
-        value |= (b & 0x7F) << shift
-        shift += 7
-        if not b & 0x80:
-            return value, i
-
-
 def _proto_field(data: bytes, number: int) -> bytes:
     """The bytes of length-delimited field ``number`` of a serialized message (the last one)."""
-    i, found = 0, None
-    while i < len(data):
-        key, i = _varint(data, i)
-        wire = key & 7
-        if wire == 0:
-            _, i = _varint(data, i)
-        elif wire == 1:
-            i += 8
-        elif wire == 5:
-            i += 4
-        elif wire == 2:
-            n, i = _varint(data, i)
-            if key >> 3 == number:
-                found = data[i:i + n]
-            i += n
-        else:
-            raise ValueError(f"unsupported protobuf wire type {wire}")
-    if found is None:
+    found = [v for k, wire, v in jax_compat.proto_fields(data) if k == number and wire == 2]
+    if not found:
         raise ValueError(f"field {number} not in the message")
-    return found
+    return found[-1]
 
 
 _API_LOCK = threading.Lock()
