@@ -150,3 +150,29 @@ def collective_issues(text: str, kind: str | None = None, computation: str | Non
                 continue
             out.append((inst, inst.collective_op, inst.async_role == "start"))
     return out
+
+
+def scanned_target_step(target: str = "h100_sxm_8"):
+    """``(step, abstract args)``: a 3-layer scanned bf16 MLP, tensor-parallel over 8 devices of
+    ``concerto_jax.target_mesh(target, ...)`` (a loop body with collectives, for the deviceless
+    compile)."""
+    import concerto_jax  # lazy: like the other helpers here, the package is imported where used
+
+    mesh = concerto_jax.target_mesh(target, (8,), ("m",))
+    col, row = NamedSharding(mesh, P(None, None, "m")), NamedSharding(mesh, P(None, "m", None))
+
+    def loss(params, x):
+        def layer(h, w):
+            return h + jnp.tanh(h @ w[0]) @ w[1], None
+
+        return jnp.mean(jax.lax.scan(layer, x, params)[0].astype(jnp.float32) ** 2)
+
+    @partial(jax.jit, out_shardings=((col, row), NamedSharding(mesh, P())))
+    def step(params, x):
+        v, g = jax.value_and_grad(loss)(params, x)
+        return jax.tree.map(lambda p, q: p - 0.1 * q, params, g), v
+
+    def sd(shape, sh):
+        return jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sh)
+
+    return step, [(sd((3, 512, 2048), col), sd((3, 2048, 512), row)), sd((1024, 512), NamedSharding(mesh, P()))]

@@ -9,7 +9,7 @@ import pytest
 import concerto_jax
 from concerto_jax.deviceless import gpu_plugin_available
 from hlo_passes.registry import PASSES, PassOutcome
-from tests._helpers import collective_issues
+from tests._helpers import collective_issues, scanned_target_step
 
 needs_plugin = pytest.mark.skipif(not gpu_plugin_available(), reason="CUDA PJRT plugin missing: pip install -e .[gpu]")
 
@@ -192,35 +192,13 @@ def test_rotation_guard_keeps_the_faster_program_on_xlas_module(monkeypatch):
     The post-SPMD decision's margin is set to -1 (rotate whatever fits) so that the guard has
     rotations to judge: since session 18 the scheduler plans this small loop's unrotated body
     within its memory limit as fast as the rotated one, and no rotation pays there."""
-    from functools import partial
 
     from hlo_passes.pipeline_loops import decide as pipeline_pass
 
     monkeypatch.setattr(pipeline_pass, "ROTATION_MARGIN", -1.0)
-
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    mesh = concerto_jax.target_mesh("h100_sxm_8", (8,), ("m",))
-    col, row = NamedSharding(mesh, P(None, None, "m")), NamedSharding(mesh, P(None, "m", None))
-
-    def loss(params, x):
-        def layer(h, w):
-            return h + jnp.tanh(h @ w[0]) @ w[1], None
-
-        return jnp.mean(jax.lax.scan(layer, x, params)[0].astype(jnp.float32) ** 2)
-
-    @partial(jax.jit, out_shardings=((col, row), NamedSharding(mesh, P())))
-    def step(params, x):
-        v, g = jax.value_and_grad(loss)(params, x)
-        return jax.tree.map(lambda p, q: p - 0.1 * q, params, g), v
-
-    sd = lambda shape, sh: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sh)  # noqa: E731
+    step, args = scanned_target_step()
     res = concerto_jax.compile_for_target(
-        step, (sd((3, 512, 2048), col), sd((3, 2048, 512), row)), sd((1024, 512), NamedSharding(mesh, P())),
-        target="h100_sxm_8", options=concerto_jax.Options(passes=("decompose", "schedule"), fallback=False,
+        step, *args, target="h100_sxm_8", options=concerto_jax.Options(passes=("decompose", "schedule"), fallback=False,
                                                           combine_thresholds=()))
     stats = res.passes[0].stats
     assert stats["strategy"] == "region"

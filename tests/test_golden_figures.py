@@ -194,31 +194,9 @@ def _mlp():
 
 
 def _scanned():
-    from functools import partial
+    from tests._helpers import scanned_target_step
 
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    import concerto_jax
-
-    mesh = concerto_jax.target_mesh(TARGET, (8,), ("m",))
-    col, row = NamedSharding(mesh, P(None, None, "m")), NamedSharding(mesh, P(None, "m", None))
-
-    def loss(params, x):
-        def layer(h, w):
-            return h + jnp.tanh(h @ w[0]) @ w[1], None
-
-        return jnp.mean(jax.lax.scan(layer, x, params)[0].astype(jnp.float32) ** 2)
-
-    @partial(jax.jit, out_shardings=((col, row), NamedSharding(mesh, P())))
-    def step(params, x):
-        v, g = jax.value_and_grad(loss)(params, x)
-        return jax.tree.map(lambda p, q: p - 0.1 * q, params, g), v
-
-    sd = lambda shape, sh: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sh)  # noqa: E731
-    return step, [(sd((3, 512, 2048), col), sd((3, 2048, 512), row)), sd((1024, 512), NamedSharding(mesh, P()))]
+    return scanned_target_step(TARGET)
 
 
 def _embedding_2x4():
