@@ -74,17 +74,21 @@ def topology(cluster: Cluster):
         target_config=cluster.target_config_text())
 
 
-def target_mesh(cluster: Cluster | str, shape: Sequence[int], axis_names: Sequence[str]):
-    """An Auto-axes ``Mesh`` of a cluster's deviceless devices (row-major: the last axis is innermost).
+def target_mesh(cluster: Cluster | str, shape: Sequence[int], axis_names: Sequence[str],
+                axis_types: Sequence[AxisType] | None = None):
+    """A ``Mesh`` of a cluster's deviceless devices (row-major: the last axis is innermost).
 
     Args:
       cluster: a ``Cluster`` or its name in ``concerto_jax.costmodel.CLUSTERS`` (e.g.
         ``"h100_sxm_8"``, ``"h100_sxm_2x8"``).
       shape: mesh shape; its product must be the cluster's device count.
       axis_names: one name per mesh axis.
+      axis_types: one ``jax.sharding.AxisType`` per axis, as ``jax.make_mesh`` takes them
+        (e.g. ``AxisType.Explicit`` for a step written with explicit sharding). None: Auto.
 
     Raises:
-      ValueError: unknown cluster name, or a shape that does not cover the cluster.
+      ValueError: unknown cluster name, a shape that does not cover the cluster, or
+        ``axis_types`` of another length than ``shape``.
     """
     if isinstance(cluster, str):
         cluster = get_cluster(cluster)
@@ -92,8 +96,11 @@ def target_mesh(cluster: Cluster | str, shape: Sequence[int], axis_names: Sequen
     if int(np.prod(shape)) != len(devices):
         raise ValueError(f"mesh shape {tuple(shape)} has {int(np.prod(shape))} devices; "
                          f"cluster {cluster.name!r} has {len(devices)}")
-    return Mesh(np.array(devices).reshape(tuple(shape)), tuple(axis_names),
-                axis_types=(AxisType.Auto,) * len(shape))
+    axis_types = (AxisType.Auto,) * len(shape) if axis_types is None else tuple(axis_types)
+    if len(axis_types) != len(shape):
+        raise ValueError(f"target_mesh: {len(axis_types)} axis_types for a {len(shape)}-axis shape "
+                         f"{tuple(shape)}; give one jax.sharding.AxisType per axis")
+    return Mesh(np.array(devices).reshape(tuple(shape)), tuple(axis_names), axis_types=axis_types)
 
 
 SCHEDULED_PASS = "apply-xla-transforms"

@@ -297,6 +297,8 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
       TypeError: ``step`` is not jitted.
       ValueError: unknown target or ``via``; a step sharded over this machine's (cpu)
         devices instead of the target's (``target_mesh``).
+      RuntimeError: the step calls a cuDNN kernel and this machine has no cuDNN (JAX checks
+        its version when tracing; the message says what to do).
     """
     from concerto_jax.capture import jit_info
     from concerto_jax.costmodel import CostModel, get_cluster
@@ -316,7 +318,7 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
     envelope = Envelope(cluster, options.robust) if options.robust and guard_rewrites else None
     seconds: dict = {}
     t0 = t_call = time.perf_counter()
-    lowered = lower_for_target(step.trace(*abstract_args, **abstract_kwargs))
+    lowered = lower_for_target(_trace(step, abstract_args, abstract_kwargs))
     seconds["lower"] = time.perf_counter() - t0
     cache = plan_cache.open_target(lowered, cluster, options, via=via, guard_rewrites=guard_rewrites)
     hit = cache.lookup(seconds) if cache is not None else None
@@ -389,6 +391,22 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
     if cache is not None:
         cache.save(result, failed=out.get("failed", False))
     return result
+
+
+def _trace(step, args: tuple, kwargs: dict):
+    """``step.trace(*args, **kwargs)``; JAX's bare "cuDNN is not detected" (raised when it traces a
+    cuDNN kernel on a machine without cuDNN) becomes an error that says what to do."""
+    try:
+        return step.trace(*args, **kwargs)
+    except RuntimeError as e:
+        if "cudnn is not detected" not in str(e).lower():
+            raise
+        raise RuntimeError(
+            "compile_for_target: the step calls a cuDNN kernel (e.g. jax.nn.dot_product_attention("
+            "implementation='cudnn')), and JAX checks the cuDNN library's version when it traces one; "
+            "this machine has no cuDNN. For the deviceless compile, trace the step with XLA's own "
+            "kernel (implementation=None or 'xla'), or compile on a machine with cuDNN "
+            "installed") from e
 
 
 def _check_target_devices(target: str, devices) -> None:
