@@ -469,9 +469,19 @@ class OptimizedStep:
             reference = original(*ref_args, **ref_kwargs)  # may donate the copies
         else:
             reference = self._fn(*copies_args, **copies_kwargs)  # may donate the copies
+        jax.block_until_ready(reference)  # the original's own errors are the user's: raised here
         dyn_args, dyn_kwargs = self._static.dynamic(args, kwargs)
-        got = entry.runner(*dyn_args, **dyn_kwargs)
-        bad = first_step.differences(reference, got, entry.tolerance)
+        failed = None
+        try:
+            got = entry.runner(*dyn_args, **dyn_kwargs)
+            jax.block_until_ready(got)
+        except Exception as e:  # noqa: BLE001 - our executable did not run: the original's outputs stand
+            if not self.options.fallback:
+                raise
+            failed = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+            got = None
+        bad = ([f"the optimised step failed to run ({failed})"] if failed is not None
+               else first_step.differences(reference, got, entry.tolerance))
         same = multiprocess.all_succeeded(not bad)
         entry.check_pending = False
         how = "bitwise" if entry.tolerance == 0 else f"within relative tolerance {entry.tolerance:g}"
@@ -481,7 +491,7 @@ class OptimizedStep:
                 entry.report, first_step_check=f"ran: outputs equal the original's ({how})" + entry.note)
             return got
         found = "; ".join(bad) if bad else "another process found a difference"
-        if spare is not None:
+        if spare is not None and failed is None:
             accurate, words = self._judged_wider(entry, spare, reference, got)
             if accurate:
                 entry.report = dataclasses.replace(entry.report, first_step_check=(
@@ -490,7 +500,10 @@ class OptimizedStep:
                 log.info("%s: first step kept: %s", name, entry.report.first_step_check)
                 return got
             found += f"; {words}"
-        reason = f"the first optimised step differs from the original ({how}): {found}"
+        beyond = "bitwise" if entry.tolerance == 0 else f"beyond relative tolerance {entry.tolerance:g}"
+        reason = (f"the first optimised step failed to run ({failed})" if failed is not None else
+                  f"the first optimised step differs from the original ({beyond}): {found}")
+        differed = "FAILED TO RUN" if failed is not None else "DIFFERED"
         if not self.options.fallback:
             raise FirstStepMismatch(reason)
         entry.runner = None
@@ -502,7 +515,7 @@ class OptimizedStep:
             # returns the original's outputs, the next one runs the rest (checked bitwise)
             why = (f"{reason}; the passes {dropped} that reassociate sums are left out and the "
                    f"step is rebuilt with {list(rest)} at the next call")
-            if self.options.first_step_reference == "original":
+            if self.options.first_step_reference == "original" and failed is None:
                 why += (" (Options(first_step_reference='wider') keeps them where the outputs "
                         "are as accurate as the original's against the step in wider precision)")
             if why not in self._warned:
@@ -511,18 +524,19 @@ class OptimizedStep:
             log.warning("%s: %s", name, why)
             entry.rebuild = dataclasses.replace(base, passes=rest)
             entry.note = self._left_out_note = (
-                f"; {dropped} left out: the first step with them differed beyond their tolerance "
-                f"({found})")
+                f"; {dropped} left out: the first step with them "
+                + (f"failed to run ({failed})" if failed is not None else
+                   f"differed beyond their tolerance ({found})"))
             self._left_out.update(dropped)
             entry.report = dataclasses.replace(
                 entry.report, optimized=False, fallback_reason=reason, executable="original",
-                first_step_check=f"ran: DIFFERED ({found}); this call fell back, the next rebuilds "
+                first_step_check=f"ran: {differed} ({found}); this call fell back, the next rebuilds "
                                  f"without {dropped}")
             return reference
         self._warn(reason, name)
         entry.report = dataclasses.replace(
             entry.report, optimized=False, fallback_reason=reason, executable="original",
-            first_step_check=f"ran: DIFFERED ({found}); fell back")
+            first_step_check=f"ran: {differed} ({found}); fell back")
         return reference
 
 

@@ -401,6 +401,38 @@ def test_first_step_check_catches_a_difference_and_falls_back(monkeypatch):
     assert not np.array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
 
+def test_an_optimised_step_that_fails_to_run_falls_back(monkeypatch):
+    # XLA:CPU compiled our module but refused to run it (a Hugging Face bf16 step with decompose:
+    # "Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32"): the first-step check
+    # returns the original's outputs and falls back, never the error
+    mesh = _mesh()
+    step, make_args = _mlp_step(mesh)
+    cls = type(concerto_jax.optimize(step))
+    real = cls._build
+
+    def build(self, *a, **k):
+        entry = real(self, *a, **k)
+        if entry.runner is not None:
+            def fails(*args, **kwargs):
+                raise RuntimeError("UNIMPLEMENTED: simulated failure of our executable")
+            entry.runner = fails
+        return entry
+
+    monkeypatch.setattr(cls, "_build", build)
+    opt = concerto_jax.optimize(step, concerto_jax.Options(always_recompile=True, check_first_step=True))
+    with pytest.warns(concerto_jax.ConcertoFallbackWarning, match="failed to run .*simulated failure"):
+        got = opt(*make_args())
+    assert_tree_bitwise(got, step(*make_args()))  # the original's outputs
+    rep = opt.report()
+    assert not rep.optimized and rep.executable == "original"
+    assert rep.first_step_check.startswith("ran: FAILED TO RUN")
+    assert_tree_bitwise(opt(*make_args()), step(*make_args()))  # the original from now on
+    strict = concerto_jax.optimize(step, concerto_jax.Options(always_recompile=True, check_first_step=True,
+                                                              fallback=False))
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        strict(*make_args())
+
+
 def test_first_step_check_passes_and_reports(monkeypatch):
     mesh = _mesh()
     step, make_args = _mlp_step(mesh)

@@ -1,0 +1,382 @@
+"""Third-party trainers' own train steps through the public API: MaxText and Hugging Face Flax.
+
+    pip install -e ".[third-party]"        # MaxText 0.2.5, transformers 4.57.6 (Flax classes)
+    python -m bench.third_party [--trainer maxtext --trainer hf] [--emb 2048] [--layers 4]
+                                [--seq 2048] [--out bench/results/jax-<version>]
+
+Each row builds a trainer's step the way the trainer itself does and compiles it for 8x H100
+SXM without a GPU (``compile_for_target``, ``Options(passes=("decompose", "schedule"))``,
+defaults otherwise), twice in one fresh process: the first compile (empty plan cache) and the
+cached one. Stock XLA and ours are XLA's final modules, judged by one simulator (simulated
+µs/step, not measured on a GPU), with the worst case over the plausible cost models
+(``bench.robust_columns``).
+
+* ``maxtext``: MaxText's own step as its AOT tool ``train_compile.py`` builds it
+  (``pyconfig.initialize(base.yml + overrides)`` with MaxText's GPU AOT keys,
+  ``get_shaped_inputs``, MaxText's shardings and donation,
+  ``get_functional_train_with_signature(train.train_step)``, jitted and compiled under
+  ``jax.set_mesh`` and the logical axis rules), one change: MaxText's ``create_device_mesh``
+  gets the target's deviceless devices (``concerto_jax.target_mesh``) instead of
+  ``jax.devices()``. Dense llama2 blocks (FSDP, FSDP x TP, TP; scanned and unrolled; full
+  remat; bf16 compute on f32 weights) and a mixtral block with expert parallelism.
+* ``hf``: ``transformers``' ``FlaxGPT2LMHeadModel`` from a ``GPT2Config`` (weights initialised
+  here, nothing downloaded), a user-written optax AdamW step with dropout, parameters and Adam
+  moments sharded FSDP x TP (2 x 4). Its ``optimize`` row runs it on 8 CPU devices for three
+  steps against the plain jitted step.
+
+A trainer whose package is not installed gives a row that says so. Writes
+``third_party.csv`` / ``.md`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+log = logging.getLogger(__name__)
+
+TARGET = "h100_sxm_8"
+PASSES = ("decompose", "schedule")
+
+# name: (trainer, entry, settings)
+CASES: dict[str, tuple[str, str, dict]] = {
+    "maxtext llama2 fsdp8 scan": ("maxtext", "target", {"block": "llama2", "fsdp": 8, "tensor": 1, "scan": True}),
+    "maxtext llama2 fsdp8 unrolled": ("maxtext", "target", {"block": "llama2", "fsdp": 8, "tensor": 1, "scan": False}),
+    "maxtext llama2 fsdp2 x tp4 scan": ("maxtext", "target", {"block": "llama2", "fsdp": 2, "tensor": 4, "scan": True}),
+    "maxtext llama2 tp8 scan": ("maxtext", "target", {"block": "llama2", "fsdp": 1, "tensor": 8, "scan": True}),
+    "maxtext llama2 tp8 unrolled": ("maxtext", "target", {"block": "llama2", "fsdp": 1, "tensor": 8, "scan": False}),
+    "maxtext mixtral 8 experts, ep8 scan": ("maxtext", "target", {"block": "mixtral", "expert": 8, "fsdp": 1, "tensor": 1,
+                                                                  "scan": True}),
+    "hf gpt2 fsdp2 x tp4": ("hf", "target", {}),
+    "hf gpt2 fsdp2 x tp4, 8 CPU devices": ("hf", "optimize", {}),
+}
+
+COLUMNS = ("case", "trainer", "entry", "status", "stock_us", "ours_us", "gain", "worst_gain", "worst_variant",
+           "stock_compile_s", "first_s", "cached_s", "first_over_stock", "peak_mb", "limit_mb", "decompose",
+           "fallback", "cut", "check", "model")
+
+
+# -- MaxText -----------------------------------------------------------------------------
+def _maxtext_step(settings: dict, emb: int, layers: int, seq: int):
+    """``(step, args, kwargs, contexts, description)`` of MaxText's own train step."""
+    import contextlib
+
+    import jax
+    from flax.core.spmd import logical_axis_rules
+    from jax.sharding import AxisType, Mesh
+    from maxtext.common.common_types import ShardMode
+    from maxtext.configs import pyconfig
+    from maxtext.trainers.pre_train import train, train_compile
+    from maxtext.utils import maxtext_utils, sharding
+
+    import concerto_jax
+
+    heads = max(8, emb // 128)
+    overrides = {
+        "run_name": "concerto_third_party", "base_output_directory": tempfile.mkdtemp(prefix="maxtext_"),
+        "hardware": "gpu", "compile_topology": "a3", "compile_topology_num_slices": 1,
+        "model_name": "default", "decoder_block": settings["block"],
+        "base_emb_dim": emb, "base_num_query_heads": heads, "base_num_kv_heads": heads,
+        "head_dim": emb // heads, "base_mlp_dim": 4 * emb if settings["block"] == "llama2" else 2 * emb,
+        "base_num_decoder_layers": layers, "vocab_size": 32000, "max_target_length": seq,
+        "per_device_batch_size": 1, "scan_layers": settings["scan"], "attention": "dot_product",
+        "dataset_type": "synthetic", "enable_checkpointing": False, "dtype": "bfloat16",
+        "weight_dtype": "float32", "remat_policy": "full", "steps": 10,
+        "ici_fsdp_parallelism": settings.get("fsdp", 1), "ici_tensor_parallelism": settings.get("tensor", 1),
+    }
+    if settings["block"] == "mixtral":
+        overrides.update(num_experts=settings["expert"], num_experts_per_tok=2,
+                         ici_expert_parallelism=settings["expert"], sparse_matmul=False, capacity_factor=1.0)
+    base_yml = os.path.join(os.path.dirname(pyconfig.__file__), "base.yml")
+    config = pyconfig.initialize(["train_compile.py", base_yml] + [f"{k}={v}" for k, v in overrides.items()])
+    train_compile.validate_config(config)
+    # train_compile.get_topology_mesh, with the target's deviceless devices for jax.devices()
+    devices = list(concerto_jax.target_mesh(TARGET, (8,), ("x",)).devices.flat)
+    jax.config.update("jax_remove_size_one_mesh_axis_from_type", config.remove_size_one_mesh_axis_from_type)
+    axis_type = AxisType.Explicit if config.shard_mode == ShardMode.EXPLICIT else AxisType.Auto
+    mesh = Mesh(maxtext_utils.create_device_mesh(config, devices), config.mesh_axes,
+                axis_types=(axis_type,) * len(config.mesh_axes))
+    # train_compile.main from here on
+    shaped_args, shaped_kwargs, state_shardings, _, model = train_compile.get_shaped_inputs(mesh, config)
+    params_shardings, state_shardings = sharding.maybe_update_params_sharding_with_opt(config, state_shardings)
+    in_state = sharding.build_zero1_input_state_mesh_shardings(config, state_shardings, params_shardings)
+    data_sharding = sharding.get_input_data_sharding(config, mesh)
+    func, in_shard, out_shard, static_argnums, donate_argnums = maxtext_utils.get_functional_train_with_signature(
+        train.train_step, data_sharding, in_state, model, config, params_shardings)
+
+    def contexts():
+        stack = contextlib.ExitStack()
+        stack.enter_context(jax.set_mesh(mesh))
+        stack.enter_context(logical_axis_rules(config.logical_axis_rules))
+        return stack
+
+    with contexts():
+        step = jax.jit(func, in_shardings=in_shard, out_shardings=out_shard, static_argnums=static_argnums,
+                       donate_argnums=donate_argnums)
+    import maxtext
+    desc = (f"MaxText {getattr(maxtext, '__version__', '?')} {settings['block']} d{emb} L{layers} seq{seq}, "
+            f"mesh {dict((k, v) for k, v in mesh.shape.items() if v > 1)}")
+    return step, shaped_args, shaped_kwargs, contexts, desc
+
+
+# -- Hugging Face Flax ------------------------------------------------------------------
+def _hf_parts(emb: int, layers: int, seq: int):
+    """``(model config, params (numpy), optax tx, train_step, shardings(mesh))`` of the HF step."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from transformers import FlaxGPT2LMHeadModel, GPT2Config
+
+    config = GPT2Config(vocab_size=32000, n_positions=seq, n_embd=emb, n_layer=layers, n_head=max(8, emb // 128))
+    model = FlaxGPT2LMHeadModel(config, input_shape=(1, seq), seed=0, dtype=jnp.bfloat16, _do_init=True)
+    params = jax.tree.map(np.asarray, model.params)
+    tx = optax.adamw(1e-3)
+
+    def loss_fn(params, input_ids, dropout_rng):
+        logits = model(input_ids, params=params, dropout_rng=dropout_rng, train=True).logits
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits[:, :-1].astype(jnp.float32), input_ids[:, 1:]).mean()
+
+    def train_step(params, opt_state, input_ids, rng):
+        loss, grads = jax.value_and_grad(loss_fn)(params, input_ids, rng)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    def shardings(mesh):
+        def spec(x):  # matrices: the last dim over "model", the first over "data" (FSDP x TP)
+            if x.ndim < 2:
+                return NamedSharding(mesh, P())
+            dims = [None] * x.ndim
+            if x.shape[-1] % mesh.shape["model"] == 0:
+                dims[-1] = "model"
+            if x.shape[0] % mesh.shape["data"] == 0:
+                dims[0] = "data"
+            return NamedSharding(mesh, P(*dims))
+
+        param_s = jax.tree.map(spec, params)
+        repl = NamedSharding(mesh, P())
+        opt_s = optax.tree_map_params(tx, lambda _, s: s, jax.eval_shape(tx.init, params), param_s,
+                                      transform_non_params=lambda _: repl)
+        return param_s, opt_s, NamedSharding(mesh, P("data", None)), repl
+
+    return config, params, tx, train_step, shardings
+
+
+def _hf_target(emb: int, layers: int, seq: int):
+    import jax
+    import jax.numpy as jnp
+    import transformers
+
+    import concerto_jax
+
+    config, params, tx, train_step, shardings = _hf_parts(emb, layers, seq)
+    mesh = concerto_jax.target_mesh(TARGET, (2, 4), ("data", "model"))
+    param_s, opt_s, batch_s, repl = shardings(mesh)
+    step = jax.jit(train_step, in_shardings=(param_s, opt_s, batch_s, repl), out_shardings=(param_s, opt_s, repl),
+                   donate_argnums=(0, 1))
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params, param_s)
+    opt_abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                jax.eval_shape(tx.init, params), opt_s)
+    args = (abstract, opt_abstract, jax.ShapeDtypeStruct((8, seq), jnp.int32, sharding=batch_s),
+            jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=repl))
+    desc = f"transformers {transformers.__version__} FlaxGPT2LMHeadModel d{emb} L{layers} seq{seq}, bf16, AdamW"
+    return step, args, {}, None, desc
+
+
+def _hf_optimize(steps: int = 3) -> dict:
+    """The HF step (small) on 8 CPU devices through ``optimize`` vs the plain jitted step."""
+    import jax
+    import numpy as np
+
+    import concerto_jax
+
+    config, params0, tx, train_step, shardings = _hf_parts(256, 2, 128)
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    param_s, opt_s, batch_s, repl = shardings(mesh)
+    batch = np.random.default_rng(0).integers(0, config.vocab_size, (8, 128)).astype(np.int32)
+
+    def run(wrap):
+        step = jax.jit(train_step, in_shardings=(param_s, opt_s, batch_s, repl),
+                       out_shardings=(param_s, opt_s, repl), donate_argnums=(0, 1))
+        fn = wrap(step)
+        params = jax.device_put(params0, param_s)
+        opt_state = jax.jit(tx.init, out_shardings=opt_s)(params)
+        losses = []
+        for i in range(steps):
+            params, opt_state, loss = fn(params, opt_state, jax.device_put(batch, batch_s),
+                                         jax.device_put(jax.random.PRNGKey(100 + i), repl))
+            losses.append(float(loss))
+        return losses, [np.asarray(a) for a in jax.tree.leaves((params, opt_state))], fn
+
+    ref_losses, ref_leaves, _ = run(lambda s: s)
+    t0 = time.perf_counter()
+    losses, leaves, opt = run(lambda s: concerto_jax.optimize(s, concerto_jax.Options(passes=PASSES)))
+    wall = time.perf_counter() - t0
+    same = losses == ref_losses and all(a.shape == b.shape and a.dtype == b.dtype and np.array_equal(
+        np.atleast_1d(a).view(np.uint8), np.atleast_1d(b).view(np.uint8)) for a, b in zip(leaves, ref_leaves,
+                                                                                          strict=True))
+    rep = opt.report()
+    kept = [r.name for r in rep.passes if r.changed]
+    status = ("DIFFERENT" if not same else "ok" if rep.optimized
+              else f"fell back to the original step: {(rep.fallback_reason or '')[:160]}")
+    return {"status": status, "first_s": round(wall, 1),
+            "check": (f"bitwise over {steps} steps: {same}; {rep.first_step_check}; passes kept {kept}; "
+                      f"optimized={rep.optimized}"),
+            "fallback": rep.fallback_reason or "", "model": "FlaxGPT2LMHeadModel d256 L2 seq128 (CPU)"}
+
+
+# -- one row in a fresh process ------------------------------------------------------------
+def _target_row(build, cluster: str = TARGET) -> dict:
+    import contextlib
+
+    import concerto_jax
+    from bench import robust_columns
+    from concerto_jax.costmodel import get_cluster
+    from concerto_jax.deviceless.compile import compile_lowered, lower_for_target
+
+    step, args, kwargs, contexts, desc = build()
+    ctx = contexts if contexts is not None else contextlib.nullcontext
+    with ctx():
+        t0 = time.perf_counter()
+        compile_lowered(lower_for_target(step.trace(*args, **kwargs)), get_cluster(cluster))
+        stock_s = time.perf_counter() - t0
+        cache = tempfile.mkdtemp(prefix="concerto_third_party_cache_")
+        options = concerto_jax.Options(passes=PASSES, target=cluster, cache_dir=cache)
+        t0 = time.perf_counter()
+        res = concerto_jax.compile_for_target(step, *args, target=cluster, options=options, **kwargs)
+        first_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        concerto_jax.compile_for_target(step, *args, target=cluster, options=options, **kwargs)
+        cached_s = time.perf_counter() - t0
+    rob = robust_columns.columns(res.stock_final_text, res.final_text, cluster)
+    dec = next((r for r in res.passes if r.name == "decompose"), None)
+    guard = (dec.stats.get("final_module_guard") or {}) if dec is not None else {}
+    decompose = ("no split found" if dec is None or not guard else
+                 f"kept ({guard.get('rewritten_planned_us')} vs {guard.get('without_rewrite_planned_us')} us planned)"
+                 if guard.get("kept") else
+                 f"dropped by the guard ({guard.get('rewritten_planned_us')} vs "
+                 f"{guard.get('without_rewrite_planned_us')} us planned)")
+    return {"status": "ok" if res.fallback_reason is None or res.via == "stock" else "fallback",
+            "stock_us": round(res.stock_step_us, 1), "ours_us": round(res.final_step_us, 1),
+            "gain": round(res.stock_step_us / res.final_step_us, 4),
+            "worst_gain": rob.get("worst_gain"), "worst_variant": rob.get("worst_variant"),
+            "stock_compile_s": round(stock_s, 1), "first_s": round(first_s, 1), "cached_s": round(cached_s, 2),
+            "first_over_stock": round(first_s / stock_s, 2),
+            "peak_mb": round(res.peak_bytes / 2**20, 1) if res.peak_bytes else "",
+            "limit_mb": round(res.memory_limit_bytes / 2**20, 1) if res.memory_limit_bytes else "",
+            "decompose": decompose, "fallback": res.fallback_reason or "", "cut": "; ".join(res.cut),
+            "model": desc}
+
+
+def _worker(case: str, emb: int, layers: int, seq: int) -> dict:
+    trainer, entry, settings = CASES[case]
+    if trainer == "maxtext":
+        return _target_row(lambda: _maxtext_step(settings, emb, layers, seq))
+    if entry == "optimize":
+        return _hf_optimize()
+    return _target_row(lambda: _hf_target(emb, layers, seq))
+
+
+def _installed(trainer: str) -> str | None:
+    """None if the trainer's package imports, else why not."""
+    import importlib.util
+
+    module = {"maxtext": "maxtext", "hf": "transformers"}[trainer]
+    if importlib.util.find_spec(module) is None:
+        return f"skipped: {module} is not installed (pip install -e '.[third-party]')"
+    if trainer == "hf":
+        import transformers
+        if not hasattr(transformers, "FlaxGPT2LMHeadModel"):
+            return (f"skipped: transformers {transformers.__version__} has no Flax classes "
+                    "(the last with them is 4.57.6)")
+    return None
+
+
+def run_case(case: str, emb: int, layers: int, seq: int, timeout_s: float) -> dict:
+    trainer, entry, _ = CASES[case]
+    row = {"case": case, "trainer": trainer, "entry": "optimize" if entry == "optimize" else "compile_for_target"}
+    why = _installed(trainer)
+    if why is not None:
+        return {**row, "status": why}
+    cmd = [sys.executable, "-m", "bench.third_party", "--worker", json.dumps([case, emb, layers, seq])]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()}
+    t0 = time.perf_counter()
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
+    except subprocess.TimeoutExpired:
+        return {**row, "status": f"timeout after {timeout_s:.0f} s"}
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("ROW ")]
+    if out.returncode != 0 or not lines:
+        tail = (out.stderr.strip().splitlines() or ["no output"])[-1][:300]
+        return {**row, "status": f"error: {tail}"}
+    log.info("%s: %.0f s", case, time.perf_counter() - t0)
+    return {**row, **json.loads(lines[-1][4:])}
+
+
+def write(rows: list[dict], out: str, command: str, elapsed: float) -> None:
+    import jax
+
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "third_party.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    from bench.robust_columns import legend
+    lines = ["# Third-party trainers' steps: stock XLA vs ours", "",
+             f"Command: `{command}`; {elapsed:.0f} s; jax {jax.__version__}; {os.cpu_count()} CPU cores. "
+             "Step times simulated (XLA's final modules, our cost model), not measured on a GPU; "
+             "compile wall times measured on this machine.", "",
+             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(str(r.get(c, "")).replace("|", "/") for c in COLUMNS) + " |" for r in rows]
+    lines += ["", legend()]
+    with open(os.path.join(out, "third_party.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--trainer", action="append", choices=("maxtext", "hf"))
+    parser.add_argument("--case", action="append", choices=sorted(CASES))
+    parser.add_argument("--emb", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per row")
+    parser.add_argument("--out", default=None, help="default: bench/results/jax-<version>")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.worker:
+        case, emb, layers, seq = json.loads(args.worker)
+        row = _worker(case, emb, layers, seq)
+        print("ROW " + json.dumps(row), flush=True)
+        return 0
+    import jax
+
+    out = args.out or os.path.join("bench", "results", f"jax-{jax.__version__}")
+    cases = [c for c in CASES if (not args.trainer or CASES[c][0] in args.trainer)
+             and (not args.case or c in args.case)]
+    t0 = time.perf_counter()
+    rows = []
+    for i, case in enumerate(cases):
+        log.info("[%d/%d] %s", i + 1, len(cases), case)
+        rows.append(run_case(case, args.emb, args.layers, args.seq, args.timeout))
+        log.info("[%d/%d] %s: %s", i + 1, len(cases), case,
+                 {k: rows[-1].get(k) for k in ("status", "gain", "worst_gain", "first_over_stock")})
+        write(rows, out, "python -m bench.third_party " + " ".join(argv if argv is not None else sys.argv[1:]),
+              time.perf_counter() - t0)
+    return 0 if all(r["status"] == "ok" or r["status"].startswith(("skipped", "fell back")) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
