@@ -24,7 +24,7 @@ from typing import Any
 
 from concerto_jax import jax_compat
 from concerto_jax.custom_calls import check_carryable
-from hlo_passes.cpu_compensation import cpu_divide_by_broadcast
+from hlo_passes.cpu_compensation import cpu_divide_by_broadcast, cpu_widen_mixed_dots
 from hlo_passes.ir import module_to_text, parse_module
 
 log = logging.getLogger(__name__)
@@ -92,13 +92,17 @@ def compensate_round_trip(hlo_text: str, platform: str) -> str:
     MLIR canonicalisation, which folds reshape/broadcast chains the SPMD
     partitioner left. XLA:CPU's ``A / broadcast(B)`` rewrite depends on those
     chains (see ``hlo_passes.cpu_compensation.cpu_divide_by_broadcast``), so on CPU it is
-    applied here, before the conversion. Returns ``hlo_text`` unchanged when
-    there is nothing to do.
+    applied here, before the conversion. So is the widening of f32 dots of half-precision
+    operands, which XLA:CPU's runtime does not run (``cpu_widen_mixed_dots``). Returns
+    ``hlo_text`` unchanged when there is nothing to do.
     """
-    if platform != "cpu" or " divide(" not in hlo_text:
+    if platform != "cpu" or (" divide(" not in hlo_text and " dot(" not in hlo_text):
         return hlo_text
     module = parse_module(hlo_text, source="emitted")
-    if not cpu_divide_by_broadcast(module):
+    changed = cpu_divide_by_broadcast(module) if " divide(" in hlo_text else 0
+    # XLA:CPU's runtime runs no f32 dot of bf16 operands (decompose's partial chunks)
+    changed += cpu_widen_mixed_dots(module)
+    if not changed:
         return hlo_text
     return module_to_text(module)
 

@@ -7,7 +7,7 @@ from hlo_passes.ir.instruction import Instruction
 from hlo_passes.ir.module import HloModule
 from hlo_passes.ir.shapes import Shape
 
-__all__ = ["cpu_divide_by_broadcast"]
+__all__ = ["cpu_divide_by_broadcast", "cpu_widen_mixed_dots"]
 
 
 _REAL_FLOATS = frozenset({"f16", "bf16", "f32", "f64", "f8e3m4", "f8e4m3", "f8e4m3fn",
@@ -86,5 +86,35 @@ def cpu_divide_by_broadcast(module: HloModule) -> int:
             comp.replace_instruction(inst, Instruction(
                 module.unique_name("multiply"), "multiply", inst.shape, [a, recip_bcast],
                 dict(meta)))
+            changed += 1
+    return changed
+
+
+_HALF = frozenset({"bf16", "f16"})
+
+
+def cpu_widen_mixed_dots(module: HloModule) -> int:
+    """Converts the half-precision operands of every ``f32 dot(bf16, bf16)`` to f32.
+
+    A dot whose half-precision operands accumulate into an f32 result (decompose's partial
+    chunks of a bf16 GEMM: ``hlo_passes.decompose_rewrite._partial_shape``) is what a GPU GEMM
+    computes, but XLA:CPU's runtime refuses it ("Unsupported element type for
+    DotThunk::Execute: BF16 x BF16 = F32"). Widening a bf16 or f16 value to f32 is exact,
+    so ``dot(convert(a), convert(b))`` in f32 multiplies the same values and accumulates in
+    f32, as the GPU's GEMM does. CPU only: on a GPU the half-precision GEMM stays.
+
+    Returns:
+      The number of dots rewritten.
+    """
+    changed = 0
+    for comp in module.computations:
+        for inst in list(comp.instructions):
+            if (inst.opcode != "dot" or not inst.shape.is_array or inst.shape.dtype != "f32"
+                    or not any(o.shape.dtype in _HALF for o in inst.operands)):
+                continue
+            for i, o in enumerate(list(inst.operands)):
+                if o.shape.dtype in _HALF:
+                    inst.replace_operand(i, _add(comp, module, inst, "convert",
+                                                 Shape(inst.shape.dtype, list(o.shape.dims), o.shape.layout), [o]))
             changed += 1
     return changed

@@ -24,9 +24,9 @@ from jax.sharding import PartitionSpec as P
 
 import concerto_jax
 import hlo_passes
-from concerto_jax.executor import compensate_round_trip, parse_with_xla
+from concerto_jax.executor import compensate_round_trip, compile_replicated, parse_with_xla
 from hlo_passes.as_replicas import unique_all_reduce_channels
-from hlo_passes.cpu_compensation import cpu_divide_by_broadcast
+from hlo_passes.cpu_compensation import cpu_divide_by_broadcast, cpu_widen_mixed_dots
 from tests._helpers import assert_tree_bitwise
 
 
@@ -152,6 +152,35 @@ def test_cpu_divide_by_broadcast_only_single_use_divisors():
     assert recip3.operands[1].opcode == "reshape" and recip3.operands[1].operands[0].name == "c2"
     parse_with_xla(compensate_round_trip(_DIV, "cpu"))
     assert compensate_round_trip(_DIV, "gpu") == _DIV
+
+
+_MIXED_DOT = """HloModule m
+
+ENTRY %e (a: bf16[4,2,64,16], b: bf16[4,64,2,8]) -> f32[4,2,16,8] {
+  %a = bf16[4,2,64,16]{3,2,1,0} parameter(0)
+  %b = bf16[4,64,2,8]{3,2,1,0} parameter(1)
+  ROOT %d = f32[4,2,16,8]{3,2,1,0} dot(%a, %b), lhs_batch_dims={0,1}, lhs_contracting_dims={2}, rhs_batch_dims={0,2}, rhs_contracting_dims={1}
+}
+"""
+
+
+def test_cpu_widen_mixed_dots_runs_decomposes_f32_partial_gemm_on_cpu():
+    # decompose's partial chunk of a bf16 GEMM is an f32 dot of bf16 operands (it accumulates in
+    # f32, as the GPU's GEMM does); XLA:CPU's runtime runs some but not this one (a batched dot
+    # of attention whose contracting dim is not minor: "Unsupported element type for
+    # DotThunk::Execute: BF16 x BF16 = F32"), so the executor widens the operands (exactly)
+    module = hlo_passes.parse_module(_MIXED_DOT)
+    assert cpu_widen_mixed_dots(module) == 1
+    hlo_passes.verify(module)
+    assert [o.opcode for o in module.entry.root.operands] == ["convert", "convert"]
+    assert compensate_round_trip(_MIXED_DOT, "gpu") == _MIXED_DOT
+    exe, _ = compile_replicated(_MIXED_DOT, jax.devices()[:1])
+    a = (np.arange(4 * 2 * 64 * 16) % 8).astype(np.float32).reshape(4, 2, 64, 16) / 8
+    b = (np.arange(4 * 64 * 2 * 8) % 4).astype(np.float32).reshape(4, 64, 2, 8) / 4
+    args = [jax.device_put(jnp.asarray(x, jnp.bfloat16), jax.devices()[0]) for x in (a, b)]
+    (out,) = exe.execute_sharded(args).disassemble_into_single_device_arrays()
+    want = np.einsum("bhkm,bkhn->bhmn", a, b)  # a bf16 attention-style dot (Hugging Face GPT-2's)
+    np.testing.assert_array_equal(np.asarray(out[0]), want)  # exact: small binary fractions
 
 
 def test_unique_all_reduce_channels_renumbers_duplicates_only():
