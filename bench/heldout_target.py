@@ -190,19 +190,13 @@ def run_layout(layout: str, layers: int, robust: bool = True) -> dict:
     cm = CostModel(get_cluster(cluster))
     stock, ours = judge_module(res.stock_final_text, cm), judge_module(res.final_text, cm)
     dec = next((p for p in res.passes if p.name == "decompose"), None)
-    guard = (dec.stats.get("final_module_guard") or {}) if dec else {}
-    searched = guard.get("after_combine_thresholds")
-    alone = guard.get("without_split")
     _, mesh, _, scanned = LAYOUTS[layout]
     return {
         "layout": layout, "cluster": cluster, "mesh": "x".join(map(str, mesh)), "scanned": scanned,
         "status": "ok" if res.fallback_reason is None else f"fallback: {res.fallback_reason}",
         "stock_us": round(stock.us, 1), "ours_us": round(ours.us, 1), "gain": round(stock.us / ours.us, 4),
         **{k: v for k, v in columns.items() if k != "nominal_gain"},
-        "robust_changed": "; ".join(f"{v.decision}: {'kept' if v.keep else 'dropped'} ({v.worst_variant} "
-                                    f"{v.worst_gain}, nominal {v.nominal_gain})"
-                                    for v in res.robust if v.changed_decision)
-                          or ("none" if res.robust else "off"),
+        "robust_changed": robust_columns.robust_changes(res),
         "robust_s": res.seconds.get("robust", ""),
         "stock_compute_us": round(stock.compute_us, 1), "ours_compute_us": round(ours.compute_us, 1),
         "stock_comm_us": round(stock.comm_us, 1), "ours_comm_us": round(ours.comm_us, 1),
@@ -210,13 +204,7 @@ def run_layout(layout: str, layers: int, robust: bool = True) -> dict:
         "decomposed": "; ".join(f"{d.get('computation')} ax{d.get('axis')} N={d.get('n')} {d.get('sides')}"
                                 + (" rotated" if d.get("rotated") else "")
                                 for d in dec.stats.get("decomposed", [])) if dec and dec.changed else "none",
-        "guard": (("kept" if guard.get("kept") else "dropped")
-                  + f" ({guard.get('without_rewrite_planned_us')} us without -> {guard.get('rewritten_planned_us')}"
-                  " us with the split" + (f"; after both threshold searches {searched['without_rewrite_planned_us']}"
-                                          f" -> {searched['rewritten_planned_us']} us" if searched else "")
-                  + (f"; the replicated collectives without the split {alone['planned_us']} us: "
-                     + ("kept" if alone["kept"] else "dropped") if alone else "") + ")"
-                  ) if guard else "",
+        "guard": robust_columns.split_guard(res),
         "peak_mb": round(res.peak_bytes / 1e6, 1) if res.peak_bytes else "",
         "limit_mb": round(res.memory_limit_bytes / 1e6, 1) if res.memory_limit_bytes else "",
         "wall_s": round(time.perf_counter() - t0, 1),

@@ -67,3 +67,27 @@ def columns(stock_text: str, ours_text: str, cluster: str) -> dict:
     return {"nominal_gain": verdict.gain("nominal"), "worst_gain": worst.gain, "worst_variant": worst.variant,
             "adverse_gain": verdict.gain(ADVERSE.name), "stock_kernels": sk, "ours_kernels": ok,
             "added_kernels": ok - sk, "added_mb": round((ob - sb) / 1e6, 1)}
+
+
+def robust_changes(res) -> str:
+    """The decisions the worst-case rule took otherwise than the nominal model would have
+    (``TargetResult.robust``), one clause each; "none", or "off" without the rule."""
+    return ("; ".join(f"{v.decision}: {'kept' if v.keep else 'dropped'} ({v.worst_variant} {v.worst_gain}, "
+                      f"nominal {v.nominal_gain})" for v in res.robust if v.changed_decision)
+            or ("none" if res.robust else "off"))
+
+
+def split_guard(res) -> str:
+    """What the rewrite guard decided on ``decompose``'s split (``TargetResult.passes``): kept or
+    dropped, the plans with and without it (and after both threshold searches where they ran)."""
+    dec = next((p for p in res.passes if p.name == "decompose"), None)
+    guard = (dec.stats.get("final_module_guard") or {}) if dec else {}
+    if not guard:
+        return ""
+    searched, alone = guard.get("after_combine_thresholds"), guard.get("without_split")
+    return (("kept" if guard.get("kept") else "dropped")
+            + f" ({guard.get('without_rewrite_planned_us')} us without -> {guard.get('rewritten_planned_us')}"
+            " us with the split" + (f"; after both threshold searches {searched['without_rewrite_planned_us']}"
+                                    f" -> {searched['rewritten_planned_us']} us" if searched else "")
+            + (f"; the replicated collectives without the split {alone['planned_us']} us: "
+               + ("kept" if alone["kept"] else "dropped") if alone else "") + ")")

@@ -60,7 +60,7 @@ CASES: dict[str, tuple[str, str, dict]] = {
 
 COLUMNS = ("case", "trainer", "entry", "status", "stock_us", "ours_us", "gain", "worst_gain", "worst_variant",
            "stock_compile_s", "first_s", "cached_s", "first_over_stock", "peak_mb", "limit_mb", "decompose",
-           "fallback", "cut", "check", "model")
+           "robust_changed", "fallback", "cut", "check", "model")
 
 
 # -- MaxText -----------------------------------------------------------------------------
@@ -259,13 +259,6 @@ def _target_row(build, cluster: str = TARGET) -> dict:
         concerto_jax.compile_for_target(step, *args, target=cluster, options=options, **kwargs)
         cached_s = time.perf_counter() - t0
     rob = robust_columns.columns(res.stock_final_text, res.final_text, cluster)
-    dec = next((r for r in res.passes if r.name == "decompose"), None)
-    guard = (dec.stats.get("final_module_guard") or {}) if dec is not None else {}
-    decompose = ("no split found" if dec is None or not guard else
-                 f"kept ({guard.get('rewritten_planned_us')} vs {guard.get('without_rewrite_planned_us')} us planned)"
-                 if guard.get("kept") else
-                 f"dropped by the guard ({guard.get('rewritten_planned_us')} vs "
-                 f"{guard.get('without_rewrite_planned_us')} us planned)")
     return {"status": "ok" if res.fallback_reason is None or res.via == "stock" else "fallback",
             "stock_us": round(res.stock_step_us, 1), "ours_us": round(res.final_step_us, 1),
             "gain": round(res.stock_step_us / res.final_step_us, 4),
@@ -274,7 +267,9 @@ def _target_row(build, cluster: str = TARGET) -> dict:
             "first_over_stock": round(first_s / stock_s, 2),
             "peak_mb": round(res.peak_bytes / 2**20, 1) if res.peak_bytes else "",
             "limit_mb": round(res.memory_limit_bytes / 2**20, 1) if res.memory_limit_bytes else "",
-            "decompose": decompose, "fallback": res.fallback_reason or "", "cut": "; ".join(res.cut),
+            "decompose": robust_columns.split_guard(res) or "no split found",
+            "robust_changed": robust_columns.robust_changes(res),
+            "fallback": res.fallback_reason or "", "cut": "; ".join(res.cut),
             "model": desc}
 
 

@@ -47,6 +47,7 @@ import warnings
 from collections.abc import Sequence
 
 from concerto_jax import jax_compat, plan_cache
+from concerto_jax.autoccl.knobs import gpu_combine_threshold_options
 from concerto_jax.deviceless.compile import (
     SCHEDULED_MARKER,
     SCHEDULED_PASS,
@@ -211,8 +212,6 @@ class Prefetch:
 def smallest_threshold_env(env: dict, options) -> dict | None:
     """XLA options of the combine-threshold search's first compile (``_tune_combiners``: every
     combined kind at the smallest size), or None when the search compiles no such candidate."""
-    from concerto_jax.autoccl.knobs import gpu_combine_threshold_options
-
     sizes = tuple(int(b) for b in options.combine_thresholds or ())
     if not (options.combine_thresholds and options.passes) or len(sizes) < 2:
         return None
@@ -900,7 +899,6 @@ def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: fl
       current plan. The record's ``chosen`` is ``{kind: bytes}`` for the kinds set (absent
       kinds: the given setting), None when nothing beat the current plan.
     """
-    from concerto_jax.autoccl.knobs import gpu_combine_threshold_options
     from concerto_jax.report import PassRecord
     from concerto_jax.scheduler.progress import Progress
 
