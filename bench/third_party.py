@@ -92,7 +92,7 @@ def _maxtext_step(settings: dict, emb: int, layers: int, seq: int):
         "ici_fsdp_parallelism": settings.get("fsdp", 1), "ici_tensor_parallelism": settings.get("tensor", 1),
     }
     if settings["block"] == "mixtral":
-        overrides.update(num_experts=settings["expert"], num_experts_per_tok=2,
+        overrides.update(num_experts=settings["expert"], num_experts_per_tok=2, base_moe_mlp_dim=2 * emb,
                          ici_expert_parallelism=settings["expert"], sparse_matmul=False, capacity_factor=1.0)
     base_yml = os.path.join(os.path.dirname(pyconfig.__file__), "base.yml")
     config = pyconfig.initialize(["train_compile.py", base_yml] + [f"{k}={v}" for k, v in overrides.items()])
@@ -313,8 +313,9 @@ def run_case(case: str, emb: int, layers: int, seq: int, timeout_s: float) -> di
         return {**row, "status": f"timeout after {timeout_s:.0f} s"}
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("ROW ")]
     if out.returncode != 0 or not lines:
-        tail = (out.stderr.strip().splitlines() or ["no output"])[-1][:300]
-        return {**row, "status": f"error: {tail}"}
+        lines = [ln.strip() for ln in out.stderr.splitlines() if ln.strip()]
+        errors = [ln for ln in lines if "Error" in ln or "error" in ln.split(":")[0]]
+        return {**row, "status": "error: " + ((errors or lines or ["no output"])[-1])[:300]}
     log.info("%s: %.0f s", case, time.perf_counter() - t0)
     return {**row, **json.loads(lines[-1][4:])}
 
