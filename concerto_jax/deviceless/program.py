@@ -173,51 +173,6 @@ class TimeBudget:
         return False
 
 
-class Prefetch:
-    """XLA compiles started in threads before the search asks for them, each taken at most once.
-
-    Why: most of a first ``compile_for_target`` is XLA compiles that run one after the other,
-    while planning (CP-SAT, in this thread) waits for them. The compiles whose inputs are known
-    early are started early: the rewritten program at the given settings and at the smallest
-    combine threshold side by side (the search always compiles the latter first), and, for a
-    program the passes do not rewrite, the step's smallest-threshold compile beside stock's.
-    XLA's compile releases the GIL, so they overlap each other and the planning of the original
-    program. ``take`` hands a started compile to the search (as a future); one nobody takes
-    is dropped at ``close`` (not waited for).
-    """
-
-    def __init__(self, workers: int = 2):
-        self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="concerto-compile")
-        self._futures: dict = {}
-
-    @staticmethod
-    def key(program, env: dict) -> tuple:
-        return (program, tuple(sorted((k, str(v)) for k, v in env.items())))
-
-    def start(self, program, env: dict, fn) -> None:
-        """Start ``fn()`` (the compile of ``program`` at ``env``) unless it is started already."""
-        k = self.key(program, env)
-        if k not in self._futures:
-            self._futures[k] = self._pool.submit(fn)
-
-    def take(self, program, env: dict):
-        """The future of the compile of ``program`` at ``env``, or None if none was started."""
-        return self._futures.pop(self.key(program, env), None)
-
-    def close(self) -> None:
-        self._futures.clear()
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def smallest_threshold_env(env: dict, options) -> dict | None:
-    """XLA options of the combine-threshold search's first compile (``_tune_combiners``: every
-    combined kind at the smallest size), or None when the search compiles no such candidate."""
-    sizes = tuple(int(b) for b in options.combine_thresholds or ())
-    if not (options.combine_thresholds and options.passes) or len(sizes) < 2:
-        return None
-    return {**env, **gpu_combine_threshold_options(dict.fromkeys(COMBINED_KINDS, min(sizes)))}
-
-
 def _pipeline_options(options):
     """``options`` with ``pin`` run after ``schedule`` (the plan must reach XLA)."""
     passes = tuple(options.passes)
@@ -348,6 +303,7 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
     """
     from concerto_jax.capture import jit_info
     from concerto_jax.costmodel import CostModel, get_cluster
+    from concerto_jax.judge.fidelity import measure
     from concerto_jax.options import Options
 
     if via not in ("backend_only", "pin"):
@@ -370,24 +326,6 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
     if hit is not None:  # verified: every module parses, the handed one passes the verifier
         return TargetResult(**hit)
     xla_opts = tuple((k, v) for k, v in dict(options.compiler_options).items())
-    prefetch = Prefetch() if via == "backend_only" else None
-    try:
-        return _compile_for_target(lowered, cluster, cost_model, options, target, via, guard_rewrites,
-                                   envelope, seconds, t_call, cache, xla_opts, prefetch)
-    finally:
-        if prefetch is not None:
-            prefetch.close()
-
-
-def _compile_for_target(lowered, cluster, cost_model, options, target, via, guard_rewrites, envelope,
-                        seconds, t_call, cache, xla_opts, prefetch) -> TargetResult:
-    """``compile_for_target`` after the lowering and the plan-cache lookup."""
-    from concerto_jax.judge.fidelity import measure
-
-    small = smallest_threshold_env(dict(xla_opts), options) if prefetch is not None else None
-    if small is not None and not any(p not in PLAN_PASSES for p in options.passes):
-        # the search compiles the step itself at the smallest threshold first: beside stock's
-        prefetch.start("step", small, functools.partial(_step_scheduled, lowered, cluster, small))
     stock = compile_lowered(lowered, cluster, CompileOptions(
         dump_lhs=via == "backend_only", dump_spmd=True, dump_scheduled=via == "backend_only", extra=xla_opts))
     seconds["stock_compile"] = stock.compile_s
@@ -400,7 +338,7 @@ def _compile_for_target(lowered, cluster, cost_model, options, target, via, guar
     _dump(options.dump_dir, "captured.hlo", stock.post_spmd_text)
     _dump(options.dump_dir, "stock_final.hlo", stock_text)
     run = (functools.partial(_backend_only, guard_rewrites=guard_rewrites, lowered=lowered,
-                             envelope=envelope, clock=clock, prefetch=prefetch)
+                             envelope=envelope, clock=clock)
            if via == "backend_only" else _pinned)
     try:
         out = run(stock, options, cluster, cost_model, seconds)
@@ -410,7 +348,7 @@ def _compile_for_target(lowered, cluster, cost_model, options, target, via, guar
         reason = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
         warnings.warn(f"concerto_jax.compile_for_target: the optimised program could not be compiled "
                       f"for {target} ({reason}); reporting the stock program", TargetFallbackWarning,
-                      stacklevel=3)
+                      stacklevel=2)
         out = dict(final=stock_text, emitted=None, scheduled=None, passes=(), pins=0, via="stock",
                    fallback_reason=reason, failed=True)
     t0 = time.perf_counter()
@@ -472,12 +410,6 @@ def _trace(step, args: tuple, kwargs: dict):
             "installed") from e
 
 
-def _step_scheduled(lowered, cluster, env_t: dict):
-    """XLA's SPMD compile of the step at ``env_t``, dumping its scheduled module (as stock's)."""
-    return compile_lowered(lowered, cluster, CompileOptions(
-        dump_lhs=True, dump_spmd=False, dump_scheduled=True, extra=tuple(env_t.items())))
-
-
 def _check_target_devices(target: str, devices) -> None:
     """Raise a ValueError that says what to do when the step is placed on this machine's
     devices (cpu) instead of the target's deviceless ones (``target_mesh``)."""
@@ -534,13 +466,11 @@ scheduled module and "pin" is not used; every other pass rewrites the post-SPMD 
 
 
 def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewrites: bool = True,
-                  lowered=None, envelope=None, clock: TimeBudget | None = None,
-                  prefetch: Prefetch | None = None) -> dict:
+                  lowered=None, envelope=None, clock: TimeBudget | None = None) -> dict:
     """The backend-only path (module docstring); raises on any failure (the caller falls back).
 
     ``clock`` (``Options.time_budget_s``): the threshold searches and the replicated-only
-    alternative run only as far as it allows. ``prefetch``: compiles started early (``Prefetch``);
-    the rewritten program's compiles run there while the original program is planned.
+    alternative run only as far as it allows.
 
     With ``guard_rewrites``, a program rewritten by the passes before XLA (decompose,
     fuse_collectives, ...) is kept only if its plan on XLA's scheduled module of it is faster
@@ -572,29 +502,10 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
     stock_src = scheduled_src = stock.scheduled_text or stock.after_lhs_text
     stock_compile_options = compile_options = pjrt_c.spmd_compile_options(
         len(devices), env, device_ids=[d.id for d in devices])
-    rewritten, planned, plain = False, None, None
+    rewritten, planned = False, None
     # XLA's own scheduler limit for this program (parameters and outputs: the same for
     # every rewrite and threshold candidate), or None (Options.memory_budget="input")
     budget = _memory_budget(stock_src, options, cost_model)
-
-    def taken(program, env_t):
-        f = prefetch.take(program, env_t) if prefetch is not None else None
-        return None if f is None else f.result()
-
-    def scheduled_at_program(text):  # a rewritten program: XLA's pipeline on the per-device module
-        def at(env_t):
-            done = taken(("program", text), env_t)
-            _, _, _, src = done or compile_replicated_for_target(text, devices, env_t, after_lhs=True)
-            opts = replicated_compile_options(devices)
-            opts.env_option_overrides = list(env_t.items())
-            return src, opts.SerializeAsString()
-        return at
-
-    def scheduled_at_step(env_t):  # the step itself: XLA's SPMD compile of it, as the stock
-        again = taken("step", env_t) or _step_scheduled(lowered, cluster, env_t)
-        return (again.scheduled_text or again.after_lhs_text, pjrt_c.spmd_compile_options(
-            len(devices), env_t, device_ids=[d.id for d in devices]))
-
     if rewriting:
         t0 = time.perf_counter()
         pre_opts = _with_fused_reference(dataclasses.replace(options, passes=rewriting), scheduled_src,
@@ -602,22 +513,9 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
         pre = pipeline.run(stock.post_spmd_text, pre_opts)
         seconds["pipeline"] = time.perf_counter() - t0
         if any(r.changed for r in pre.passes):
-            # XLA's pipeline up to (and through) its scheduler on OUR program; with a prefetch,
-            # beside it the search's first compile of it, and meanwhile the original's plan
-            small = smallest_threshold_env(env, options)
-            if prefetch is not None:
-                prefetch.start(("program", pre.text), env, functools.partial(
-                    compile_replicated_for_target, pre.text, devices, env, after_lhs=True))
-                if small is not None and any(k in pre.text for k in COMBINED_KINDS):
-                    prefetch.start(("program", pre.text), small, functools.partial(
-                        compile_replicated_for_target, pre.text, devices, small, after_lhs=True))
-                if guard_rewrites and stock_src is not None:
-                    plain = _plan_on(stock_src, options, cost_model, {}, budget)
-            t1 = time.perf_counter()
-            _, _, dt, scheduled_src = taken(("program", pre.text), env) or compile_replicated_for_target(
-                pre.text, devices, env, after_lhs=True)
+            # XLA's pipeline up to (and through) its scheduler on OUR program.
+            _, _, dt, scheduled_src = compile_replicated_for_target(pre.text, devices, env, after_lhs=True)
             seconds["xla_passes_compile"] = dt
-            seconds["xla_passes_wait"] = time.perf_counter() - t1
             pre, scheduled_src, planned = _rotation_guard(
                 pre, pre_opts, scheduled_src, stock.post_spmd_text, devices, env, options, cost_model,
                 seconds, budget)
@@ -634,8 +532,22 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
     plan = planned or _plan_on(scheduled_src, options, cost_model, seconds, budget)
     tune = bool(options.combine_thresholds and options.passes)
 
+    def scheduled_at_program(text):  # a rewritten program: XLA's pipeline on the per-device module
+        def at(env_t):
+            _, _, _, src = compile_replicated_for_target(text, devices, env_t, after_lhs=True)
+            opts = replicated_compile_options(devices)
+            opts.env_option_overrides = list(env_t.items())
+            return src, opts.SerializeAsString()
+        return at
+
     def scheduled_at_rewritten(env_t):  # our program
         return scheduled_at_program(pre.text)(env_t)
+
+    def scheduled_at_step(env_t):  # the step itself: XLA's SPMD compile of it, as the stock
+        again = compile_lowered(lowered, cluster, CompileOptions(
+            dump_lhs=True, dump_spmd=False, dump_scheduled=True, extra=tuple(env_t.items())))
+        return (again.scheduled_text or again.after_lhs_text, pjrt_c.spmd_compile_options(
+            len(devices), env_t, device_ids=[d.id for d in devices]))
 
     def tuned(scheduled_at, plan, src, copts) -> tuple:
         """(plan, scheduled module, compile options, record) after the threshold search."""
@@ -650,7 +562,7 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
     if rewritten and guard_rewrites and stock_src is not None:
         t0 = time.perf_counter()
         rewritten_src = scheduled_src  # XLA's scheduled module of the rewritten program (dumped if dropped)
-        plain = plain or _plan_on(stock_src, options, cost_model, {}, budget)
+        plain = _plan_on(stock_src, options, cost_model, {}, budget)
         rewritten_us, plain_us = plan["judged"].us, plain["judged"].us
         keep = rewritten_us < plain_us
         guard = {"rewritten_planned_us": round(rewritten_us, 1), "without_rewrite_planned_us": round(plain_us, 1),
@@ -933,7 +845,7 @@ def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: fl
         entry = {"thresholds": dict(key)}
         if key in estimates:
             entry["estimated_us"] = round(estimates[key], 1)
-        if compiled is None and clock is not None and clock.left() < max([*durations, clock.compile_s]):
+        if compiled is None and clock is not None and clock.left() < max(durations, default=clock.compile_s):
             cut.append(dict(key))
             return None
         t_attempt = time.perf_counter()
@@ -975,7 +887,7 @@ def _tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: fl
         batch = [c for c in ranked[:options.combine_compiles] if key_of(c) and key_of(c) not in seen]
         fits = len(batch)
         if clock is not None:  # as many as fit, compiled side by side (PARALLEL_COMPILE_COST)
-            one = max([*durations, clock.compile_s])
+            one = max(durations, default=clock.compile_s)
             while fits and clock.left() < one * (1 + PARALLEL_COMPILE_COST * (fits - 1)):
                 fits -= 1
         workers = max(1, min(fits, os.cpu_count() or 1))
