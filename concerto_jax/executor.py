@@ -93,14 +93,14 @@ def compensate_round_trip(hlo_text: str, platform: str) -> str:
     partitioner left. XLA:CPU's ``A / broadcast(B)`` rewrite depends on those
     chains (see ``hlo_passes.cpu_compensation.cpu_divide_by_broadcast``), so on CPU it is
     applied here, before the conversion. So is the widening of f32 dots of half-precision
-    operands, which XLA:CPU's runtime does not run (``cpu_widen_mixed_dots``). Returns
+    operands, some of which XLA:CPU's runtime refuses (``cpu_widen_mixed_dots``). Returns
     ``hlo_text`` unchanged when there is nothing to do.
     """
     if platform != "cpu" or (" divide(" not in hlo_text and " dot(" not in hlo_text):
         return hlo_text
     module = parse_module(hlo_text, source="emitted")
     changed = cpu_divide_by_broadcast(module) if " divide(" in hlo_text else 0
-    # XLA:CPU's runtime runs no f32 dot of bf16 operands (decompose's partial chunks)
+    # XLA:CPU's runtime refuses some f32 dots of bf16 operands (decompose's partial chunks)
     changed += cpu_widen_mixed_dots(module)
     if not changed:
         return hlo_text

@@ -98,10 +98,13 @@ def cpu_widen_mixed_dots(module: HloModule) -> int:
 
     A dot whose half-precision operands accumulate into an f32 result (decompose's partial
     chunks of a bf16 GEMM: ``hlo_passes.decompose_rewrite._partial_shape``) is what a GPU GEMM
-    computes, but XLA:CPU's runtime refuses it ("Unsupported element type for
-    DotThunk::Execute: BF16 x BF16 = F32"). Widening a bf16 or f16 value to f32 is exact,
-    so ``dot(convert(a), convert(b))`` in f32 multiplies the same values and accumulates in
-    f32, as the GPU's GEMM does. CPU only: on a GPU the half-precision GEMM stays.
+    computes, but XLA:CPU's runtime refuses some of them (a batched dot whose batch dims are
+    not leading: "Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32"; JAX's
+    own executable fails on such a dot too, so an original step never holds one). Widening a
+    bf16 or f16 value to f32 is exact, so ``dot(convert(a), convert(b))`` in f32 multiplies the
+    same values and accumulates in f32, as the GPU's GEMM does; on the dots XLA:CPU does run,
+    the widened ones gave the same bits (an attention-style and a plain matmul). CPU only: on a
+    GPU the half-precision GEMM stays.
 
     Returns:
       The number of dots rewritten.
