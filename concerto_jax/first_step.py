@@ -172,7 +172,8 @@ def differences(reference: Any, got: Any, tolerance: float = 0.0, limit: int = 5
         for rs, gs in zip(_host_shards(r), _host_shards(g), strict=True):
             if tolerance > 0 and _is_float(rs.dtype) and not np.iscomplexobj(rs):
                 a, b = rs.astype(np.float64), gs.astype(np.float64)
-                scale = float(np.nanmax(np.abs(a))) if a.size else 0.0
+                finite = np.abs(a[np.isfinite(a)])  # an inf or NaN sets no scale
+                scale = float(finite.max()) if finite.size else 0.0
                 ok = np.allclose(b, a, rtol=tolerance, atol=tolerance * scale, equal_nan=True)
             else:
                 ok = np.array_equal(_bits(rs), _bits(gs))
@@ -181,7 +182,8 @@ def differences(reference: Any, got: Any, tolerance: float = 0.0, limit: int = 5
                 if _is_float(rs.dtype) and not np.iscomplexobj(rs):
                     with np.errstate(invalid="ignore"):
                         d = np.abs(rs.astype(np.float64) - gs.astype(np.float64))
-                    diff = f" (max |diff| {np.nanmax(d):.3g})" if d.size else ""
+                    d = d[np.isfinite(d)]
+                    diff = f" (max |diff| {d.max():.3g})" if d.size else " (non-finite values differ)"
                 bad.append(f"{name}: values differ{diff}")
                 break
         if len(bad) >= limit:

@@ -470,3 +470,13 @@ def test_first_step_check_tolerance_and_differences():
     assert first_step.differences(nan, jnp.array([jnp.nan, 0.0]))  # the sign of zero counts
     k = jax.random.key(0)
     assert first_step.differences(k, k) == [] and first_step.differences(k, jax.random.key(1))
+    # an inf in the reference sets no scale: other values are still held to the tolerance
+    inf = jnp.array([jnp.inf, 1.0])
+    assert first_step.differences(inf, inf, tolerance=1e-3) == []
+    assert first_step.differences(inf, jnp.array([jnp.inf, 5.0]), tolerance=1e-3)
+    assert first_step.differences(inf, jnp.array([-jnp.inf, 1.0]), tolerance=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an all-NaN output (a metric NaN by design) warns nothing
+        all_nan = jnp.full((3,), jnp.nan)
+        assert first_step.differences(all_nan, all_nan, tolerance=1e-3) == []
+        assert first_step.differences(all_nan, jnp.zeros(3), tolerance=1e-3)
