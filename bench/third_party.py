@@ -39,10 +39,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 log = logging.getLogger(__name__)
 
 TARGET = "h100_sxm_8"
+VOCAB = 32000
 PASSES = ("decompose", "schedule")
 
 # name: (trainer, entry, settings)
@@ -54,6 +56,8 @@ CASES: dict[str, tuple[str, str, dict]] = {
     "maxtext llama2 tp8 unrolled": ("maxtext", "target", {"block": "llama2", "fsdp": 1, "tensor": 8, "scan": False}),
     "maxtext mixtral 8 experts, ep8 scan": ("maxtext", "target", {"block": "mixtral", "expert": 8, "fsdp": 1, "tensor": 1,
                                                                   "scan": True}),
+    "maxtext llama2 fsdp8 scan, 8 CPU devices": ("maxtext", "optimize", {"block": "llama2", "fsdp": 8, "tensor": 1,
+                                                                          "scan": True}),
     "hf gpt2 fsdp2 x tp4": ("hf", "target", {}),
     "hf gpt2 fsdp2 x tp4, 8 CPU devices": ("hf", "optimize", {}),
 }
@@ -64,8 +68,9 @@ COLUMNS = ("case", "trainer", "entry", "status", "stock_us", "ours_us", "gain", 
 
 
 # -- MaxText -----------------------------------------------------------------------------
-def _maxtext_step(settings: dict, emb: int, layers: int, seq: int):
-    """``(step, args, kwargs, contexts, description)`` of MaxText's own train step."""
+def _maxtext_step(settings: dict, emb: int, layers: int, seq: int, devices=None):
+    """``(step, args, kwargs, contexts, description)`` of MaxText's own train step, over the
+    target's deviceless devices (``devices=None``) or the given ones (this machine's CPUs)."""
     import contextlib
 
     import jax
@@ -81,11 +86,12 @@ def _maxtext_step(settings: dict, emb: int, layers: int, seq: int):
     heads = max(8, emb // 128)
     overrides = {
         "run_name": "concerto_third_party", "base_output_directory": tempfile.mkdtemp(prefix="maxtext_"),
-        "hardware": "gpu", "compile_topology": "a3", "compile_topology_num_slices": 1,
+        "hardware": "gpu", "skip_jax_distributed_system": True,
+        **({"compile_topology": "a3", "compile_topology_num_slices": 1} if devices is None else {}),
         "model_name": "default", "decoder_block": settings["block"],
         "base_emb_dim": emb, "base_num_query_heads": heads, "base_num_kv_heads": heads,
         "head_dim": emb // heads, "base_mlp_dim": 4 * emb if settings["block"] == "llama2" else 2 * emb,
-        "base_num_decoder_layers": layers, "vocab_size": 32000, "max_target_length": seq,
+        "base_num_decoder_layers": layers, "vocab_size": VOCAB, "max_target_length": seq,
         "per_device_batch_size": 1, "scan_layers": settings["scan"], "attention": "dot_product",
         "dataset_type": "synthetic", "enable_checkpointing": False, "dtype": "bfloat16",
         "weight_dtype": "float32", "remat_policy": "full", "steps": 10,
@@ -96,9 +102,11 @@ def _maxtext_step(settings: dict, emb: int, layers: int, seq: int):
                          ici_expert_parallelism=settings["expert"], sparse_matmul=False, capacity_factor=1.0)
     base_yml = os.path.join(os.path.dirname(pyconfig.__file__), "base.yml")
     config = pyconfig.initialize(["train_compile.py", base_yml] + [f"{k}={v}" for k, v in overrides.items()])
-    train_compile.validate_config(config)
+    if devices is None:  # the AOT tool's own check (it asks for compile_topology)
+        train_compile.validate_config(config)
     # train_compile.get_topology_mesh, with the target's deviceless devices for jax.devices()
-    devices = list(concerto_jax.target_mesh(TARGET, (8,), ("x",)).devices.flat)
+    if devices is None:
+        devices = list(concerto_jax.target_mesh(TARGET, (8,), ("x",)).devices.flat)
     jax.config.update("jax_remove_size_one_mesh_axis_from_type", config.remove_size_one_mesh_axis_from_type)
     axis_type = AxisType.Explicit if config.shard_mode == ShardMode.EXPLICIT else AxisType.Auto
     mesh = Mesh(maxtext_utils.create_device_mesh(config, devices), config.mesh_axes,
@@ -235,6 +243,59 @@ def _hf_optimize(steps: int = 3) -> dict:
             "fallback": rep.fallback_reason or "", "model": "FlaxGPT2LMHeadModel d256 L2 seq128 (CPU)"}
 
 
+def _maxtext_optimize(settings: dict, steps: int = 2) -> dict:
+    """MaxText's step (small) on 8 CPU devices through ``optimize`` vs the same jitted step, from
+    one random state (f32 weights ~N(0, 0.02), zero optimizer moments) on synthetic batches."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from maxtext.trainers.pre_train import train
+
+    import concerto_jax
+
+    step, args, _, contexts, desc = _maxtext_step(settings, 256, 2, 128, devices=jax.devices())
+    rng = np.random.default_rng(0)
+    floats = {}
+
+    def leaf(s):
+        if jnp.issubdtype(s.dtype, jax.dtypes.prng_key):
+            return jax.device_put(jax.random.key(0), s.sharding)
+        if jnp.issubdtype(s.dtype, jnp.floating):
+            key = (s.shape, str(s.dtype))
+            floats.setdefault(key, (rng.standard_normal(s.shape) * 0.02).astype(s.dtype))
+            return jax.device_put(floats[key], s.sharding)
+        return jax.device_put(np.zeros(s.shape, s.dtype), s.sharding)
+
+    def bits(x):
+        x = jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+        return np.atleast_1d(np.asarray(x)).view(np.uint8)
+
+    # what MaxText's synthetic batch reads of its config
+    batch_config = types.SimpleNamespace(max_target_length=128, vocab_size=VOCAB)
+    with contexts():
+        def run(fn):
+            state = jax.tree.map(leaf, args[0])
+            for i in range(steps):
+                state, _ = fn(state, train.make_synthetic_batch(batch_config, args[1], seed=i))
+            return [bits(x) for x in jax.tree.leaves(state)]
+
+        ref = run(step)
+        t0 = time.perf_counter()
+        opt = concerto_jax.optimize(step, concerto_jax.Options(passes=PASSES))
+        got = run(opt)
+        wall = time.perf_counter() - t0
+    same = len(ref) == len(got) and all(np.array_equal(a, b) for a, b in zip(ref, got, strict=True))
+    rep = opt.report()
+    kept = [r.name for r in rep.passes if r.changed]
+    tolerance = max((r.tolerance for r in rep.passes if r.changed), default=0.0)
+    status = ("ok" if rep.optimized and (same or tolerance > 0) else
+              "DIFFERENT" if rep.optimized else f"fell back to the original step: {(rep.fallback_reason or '')[:160]}")
+    return {"status": status, "first_s": round(wall, 1),
+            "check": (f"bitwise over {steps} steps: {same} (declared tolerance {tolerance:g}); "
+                      f"{rep.first_step_check}; passes kept {kept}; optimized={rep.optimized}"),
+            "fallback": rep.fallback_reason or "", "model": desc + " (CPU)"}
+
+
 # -- one row in a fresh process ------------------------------------------------------------
 def _target_row(build, cluster: str = TARGET) -> dict:
     import contextlib
@@ -275,6 +336,8 @@ def _target_row(build, cluster: str = TARGET) -> dict:
 
 def _worker(case: str, emb: int, layers: int, seq: int) -> dict:
     trainer, entry, settings = CASES[case]
+    if trainer == "maxtext" and entry == "optimize":
+        return _maxtext_optimize(settings)
     if trainer == "maxtext":
         return _target_row(lambda: _maxtext_step(settings, emb, layers, seq))
     if entry == "optimize":
