@@ -155,3 +155,44 @@ def test_standin_of_a_long_tuple_result_with_index_marks():
     lines = gpu_check._standin_lines("ag", f"({shapes})", "  ", root=False)
     assert lines[-1].startswith("  %ag = (") and "tuple(%ag.e0, %ag.e1" in lines[-1]
     assert "  %ag.e5 = bf16[2,3]{1,0} broadcast(%ag.e5.zero), dimensions={}" in lines
+
+
+def test_perturbed_order_keeps_producers_of_implicit_tuple_elements_first():
+    # XLA's newer text names a tuple element ``%x#k`` with no line of its own: its user must still
+    # come after ``%x`` (the hardware check's first run met an order XLA's parser refused)
+    text = """HloModule m, entry_computation_layout={(f32[4]{0})->(f32[4]{0}, f32[4]{0}, f32[4]{0})}
+
+%pair (p: f32[4]) -> (f32[4], f32[4]) {
+  %p = f32[4]{0} parameter(0)
+  %n = f32[4]{0} negate(%p)
+  ROOT %t = (f32[4]{0}, f32[4]{0}) tuple(%p, %n)
+}
+
+ENTRY %main (x: f32[4]) -> (f32[4], f32[4], f32[4]) {
+  %x = f32[4]{0} parameter(0)
+  %a = f32[4]{0} exponential(%x)
+  %f = (f32[4]{0}, f32[4]{0}) call(%x), to_apply=%pair
+  %u = f32[4]{0} sine(%f#1)
+  ROOT %r = (f32[4]{0}, f32[4]{0}, f32[4]{0}) tuple(%a, %u, %f#0)
+}
+"""
+    from concerto_jax.executor import parse_with_xla
+    from hlo_passes.ir import parse_module
+
+    other = gpu_check.perturbed_order(text)
+    order = [i.name for i in parse_module(other).entry.instructions]
+    assert order.index("f") < order.index("u")
+    parse_with_xla(other)
+
+
+def test_runtime_probe_setup_names_what_it_uses():
+    # the probes run in a fresh interpreter: their setup must import what it names; on a CPU the
+    # route fails later, at its plan (no scheduled module), and the setup says so
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", gpu_check._PROBE_SETUP], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert "NameError" not in r.stdout + r.stderr, r.stdout[-500:]
+    assert "SETUP FAILED GpuRouteError" in r.stdout, r.stdout[-500:]

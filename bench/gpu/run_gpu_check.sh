@@ -8,13 +8,15 @@
 #   the CUDA plugin 0.11.2, flax, optax, numpy, pandas, absl-py, typing-extensions; no ortools,
 #   no network): ortools and its missing dependencies (immutabledict; protobuf at the version
 #   ortools was built against) plus this project's own wheel; (2) the calibration modules of
-#   every suite case into .gpu_prepared/ (deviceless: XLA's scheduled module of stock and of
-#   ours, collectives stood in), made with jax 0.11.2, the GPU machine's version
+#   every suite case into .gpu_prepared/ (the modules before XLA's pipeline, stock's and ours,
+#   which the GPU compiles with its autotuning; and XLA's deviceless scheduled modules), made
+#   with jax 0.11.2, the GPU machine's version
 #   ($PREPARE_PYTHON, default /work/venv0112/bin/python); (3) the CPU half of gpu_check.
 #   Both folders are ignored by git (.gitignore) and travel as `carry`.
-# device: installs the wheels into /tmp/site, runs gpu_check with that machine's own JAX within
-#   8 minutes (--budget-s 420 leaves room for the start), and leaves at most 8 files in
-#   $OUT/gc (checks, calibration tables, the log, the raw profiles as one tar.gz).
+# device [ARGS]: installs the wheels into /tmp/site, runs gpu_check with that machine's own JAX
+#   within 8 minutes ($GC_BUDGET_S, default 420 s, inside $GC_TIMEOUT_S, default 480 s; ARGS go to
+#   gpu_check, e.g. `--items c --cases NAMES` for a second call on a warm machine), and leaves at
+#   most 8 files in $OUT/gc (checks, calibration tables, the log, the raw profiles as one tar.gz).
 #
 # The device tool's call (device time: about 10 minutes of a 15-minute lease):
 #   run(command="bash bench/gpu/run_gpu_check.sh device", carry=[".whl", ".gpu_prepared"],
@@ -55,12 +57,16 @@ device() {
     fi
     python3 -c "import jax, ortools; print('jax', jax.__version__, jax.devices(), 'ortools', ortools.__version__)"
     set +e
-    timeout 480 python3 -m concerto_jax.gpu_check --out "$out" --prepared .gpu_prepared --budget-s 420 \
-        2>&1 | tee "$out/gc.log"
+    timeout "${GC_TIMEOUT_S:-480}" python3 -m concerto_jax.gpu_check --out "$out" --prepared .gpu_prepared \
+        --budget-s "${GC_BUDGET_S:-420}" "$@" 2>&1 | tee "$out/gc.log"
     local rc=${PIPESTATUS[0]}
     set -e
-    if [ -d "$out/profile" ]; then
-        tar -czf "$out/profile.tar.gz" -C "$out" profile && rm -rf "$out/profile"
+    if [ -d "$out/profile" ]; then  # one file of at most 16 MB comes back: the first cases' profiles
+        tar -czf "$out/profile.tar.gz" -C "$out" profile
+        if [ "$(stat -c %s "$out/profile.tar.gz")" -gt 15000000 ]; then
+            tar -czf "$out/profile.tar.gz" -C "$out" $(cd "$out" && ls -d profile/* | head -4)
+        fi
+        rm -rf "$out/profile"
     fi
     ls -la "$out"
     return "$rc"
@@ -68,6 +74,6 @@ device() {
 
 case "${1:-}" in
     prepare) prepare ;;
-    device) device ;;
+    device) shift; device "$@" ;;
     *) echo "usage: $0 prepare|device" >&2; exit 2 ;;
 esac

@@ -21,6 +21,7 @@ import functools
 import glob
 import logging
 import os
+import re
 import tempfile
 import time
 from collections.abc import Sequence
@@ -181,10 +182,19 @@ class TargetCompile:
 
 
 def _read_dump(dump_dir: str, marker: str) -> str | None:
-    files = sorted(f for f in glob.glob(os.path.join(dump_dir, "*.txt")) if marker in os.path.basename(f))
+    """The last dump whose name contains ``marker`` of the first module XLA compiled into
+    ``dump_dir`` (on a GPU, autotuning may compile and dump candidate modules of its own, with
+    higher module numbers)."""
+    files = [f for f in glob.glob(os.path.join(dump_dir, "*.txt")) if marker in os.path.basename(f)]
     if not files:
         return None
-    with open(files[-1]) as f:
+
+    def module_number(path: str) -> int:
+        m = re.match(r"module_(\d+)\.", os.path.basename(path))
+        return int(m.group(1)) if m else -1
+
+    first = min(module_number(f) for f in files)
+    with open(sorted(f for f in files if module_number(f) == first)[-1]) as f:
         return f.read()
 
 

@@ -61,6 +61,7 @@ class Run:
         self.rows.append({"check": name, "status": status, "seconds": round(dt, 1), "detail": detail})
         log.log(logging.ERROR if status == "FAIL" else logging.INFO, "%s: %s (%.1f s) %s",
                 name, status, dt, detail[:300])
+        self.write()  # the rows so far survive a run killed at its time limit
         return status == "pass"
 
     def skip(self, name: str, why: str) -> None:
@@ -68,6 +69,8 @@ class Run:
         log.info("%s: skipped (%s)", name, why)
 
     def write(self, extra_md: str = "") -> None:
+        if not self.out:
+            return
         os.makedirs(self.out, exist_ok=True)
         write_csv(os.path.join(self.out, "checks.csv"), self.rows, CHECK_COLUMNS)
         failed = [r for r in self.rows if r["status"] == "FAIL"]
@@ -571,7 +574,14 @@ def perturbed_order(text: str) -> str:
     entry = module.entry
     names = [i.name for i in entry.instructions if i.name not in module.implicit_tuple_elements]
     keep = set(names)
-    deps = {i.name: {o.name for o in list(i.operands) + list(i.control_predecessors)} & keep
+    implicit = module.implicit_tuple_elements
+
+    def base(o):  # an implicit tuple element (``%x#3``) has no line: its producer's
+        while o.name in implicit and o.operands:
+            o = o.operands[0]
+        return o.name
+
+    deps = {i.name: {base(o) for o in list(i.operands) + list(i.control_predecessors)} & keep
             for i in entry.instructions if i.name in keep}
     users: dict[str, list[str]] = {n: [] for n in names}
     for n, ds in deps.items():
@@ -638,9 +648,36 @@ def route_check(name: str, step, case, passes: Sequence[str], seen: list | None 
     # (XLA:CPU reorders what it compiles: only a GPU backend keeps the handed order)
     assert kept["kept"] or backend != "gpu", f"the loaded executable does not run our order: {kept}"
     sched = next((p for p in rep.passes if p.name == "schedule"), None)
+    med = interleaved_step_us({"plain": step, "ours": opt}, case)
     return (f"3 steps bitwise; order kept {kept['in_our_order']}/{kept['common']}; schedule changed="
-            f"{sched.changed if sched else None}; {rep.first_step_check}; stages "
-            f"{json.dumps(rep.stage_seconds)}")
+            f"{sched.changed if sched else None}; step us (median of 5x4, interleaved): plain "
+            f"{med['plain']:.0f}, ours {med['ours']:.0f} (ours/plain {med['ours'] / med['plain']:.3f}); "
+            f"{rep.first_step_check}; stages {json.dumps(rep.stage_seconds)}")
+
+
+def interleaved_step_us(fns: dict, case, rounds: int = 5, per: int = 4) -> dict:
+    """Median microseconds per step of each of ``fns`` (``{name: step}``), timed in ``rounds``
+    interleaved blocks of ``per`` steps from the case's initial state (donation-safe: each
+    block carries its state on)."""
+    import statistics
+
+    import jax
+
+    states = {k: case.init_state(0) for k in fns}
+    times: dict = {k: [] for k in fns}
+    for k, fn in fns.items():  # warm: the first call of each is not timed
+        states[k], m = fn(states[k], case.batch)
+        jax.block_until_ready((states[k], m))
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            s = states[k]
+            t0 = time.perf_counter()
+            for _ in range(per):
+                s, m = fn(s, case.batch)
+            jax.block_until_ready((s, m))
+            times[k].append((time.perf_counter() - t0) / per * 1e6)
+            states[k] = s
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def perturbed_check(step, case) -> str:
@@ -695,6 +732,8 @@ try:
     from importlib import resources
     import jax, jax.numpy as jnp
     import concerto_jax
+    from concerto_jax import jax_compat
+    from concerto_jax.gpu_route import route
     f = jax.jit(lambda x: jnp.tanh(x @ x))
     built = route.build(f, (jnp.ones((64, 64)),), {}, concerto_jax.Options(passes=()),
                                route.GpuBackend())
@@ -818,7 +857,13 @@ def prepare(out_dir: str, cases: Sequence, passes: Sequence[str], run: Run | Non
             sc = standin_collectives(stock_src)[1]
             oc = standin_collectives(d.plan.handed)[1]
             # the modules as the backend gets them (collectives are stood in where they are used)
-            for suffix, text in (("stock", stock_src), ("ours", d.plan.handed)):
+            # *_post: the modules before XLA's pipeline (the post-SPMD module; ours rewritten where
+            # the rewrite was kept), for a GPU to compile with its autotuning (``calibrate_case``)
+            post = d.stock.post_spmd_text
+            for suffix, text in (("stock", stock_src), ("ours", d.plan.handed), ("stock_post", post),
+                                 ("ours_post", d.plan.rewritten or post)):
+                if text is None:
+                    continue
                 with gzip.open(os.path.join(out_dir, f"{case.name}.{suffix}.hlo.gz"), "wt") as f:
                     f.write(text)
             meta = {"case": case.name, "cluster": case.cluster, "passes": list(passes),
@@ -867,8 +912,9 @@ def validate_prepared(prepared_dir: str, run: Run, kind: str = "NVIDIA H100 80GB
         run.check(f"prepared/{name}", one)
 
 
-_KERNEL_COLUMNS = ("case", "program", "instruction", "class", "predicted_us", "measured_us", "launches")
-_CALIBRATION_COLUMNS = ("case", "program", "predicted_step_us", "measured_step_us", "error",
+_KERNEL_COLUMNS = ("case", "program", "modules", "instruction", "class", "predicted_us", "measured_us", "launches",
+                   "mm_peak_us", "vector_us", "mem_peak_us", "model_kernels")
+_CALIBRATION_COLUMNS = ("case", "program", "modules", "predicted_step_us", "measured_step_us", "error",
                         "kernels_mapped", "kernels_unmapped", "standins")
 
 
@@ -881,8 +927,8 @@ def kernel_class(inst) -> str:
         target = inst.custom_call_target or ""
         return "gemm" if "gemm" in target.lower() or "matmul" in target.lower() else "custom_call"
     if op == "fusion":
-        if "__triton_gemm" in text or "triton_gemm" in text or "cublas" in text.lower():
-            return "gemm"
+        if ("__triton" in text and "gemm" in text) or "cublas" in text.lower() or "__cudnn$fusion" in text:
+            return "gemm"  # Triton GEMM fusions (``__triton_gemm``, ``__triton_nested_gemm_fusion``), cuDNN's
         if "kind=kInput" in text or "kInput" in text:
             return "reduction_fusion"
         if "kCustom" in text:
@@ -897,15 +943,19 @@ def kernel_class(inst) -> str:
     return op
 
 
-def _predictions(final_text: str, cost_model) -> tuple[dict, dict, float]:
-    """``({instruction: predicted us}, {instruction: class}, predicted step us)`` of a final module."""
+def _predictions(final_text: str, cost_model, work: dict | None = None) -> tuple[dict, dict, float]:
+    """``({instruction: predicted us}, {instruction: class}, predicted step us)`` of a final module;
+    ``work`` (if given) receives ``{instruction: {mm_peak_us, vector_us, mem_peak_us,
+    model_kernels}}``: the roofline terms at full efficiency, for refitting the model's rates."""
     from concerto_jax.costmodel import op_info
+    from concerto_jax.costmodel.compute import kernel_count, work_of
     from concerto_jax.judge import judge_module
     from hlo_passes.ir import parse_module
     from hlo_passes.ir.loops import schedulable_computations
 
     module = parse_module(final_text, source="final")
     pred, cls = {}, {}
+    gpu = cost_model.gpu
     skip = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple", "opt-barrier", "while",
             "conditional", "call"}
     for comp in schedulable_computations(module):  # the computations whose instructions launch kernels
@@ -913,10 +963,21 @@ def _predictions(final_text: str, cost_model) -> tuple[dict, dict, float]:
             if inst.opcode in skip:
                 continue
             try:
-                pred[inst.name] = cost_model.compute_us(op_info(inst))
+                op = op_info(inst)
+                pred[inst.name] = cost_model.compute_us(op)
             except Exception:  # noqa: BLE001 - an instruction the model cannot cost
                 continue
             cls[inst.name] = kernel_class(inst)
+            if work is not None:
+                try:
+                    w = work_of(op)
+                    work[inst.name] = {
+                        "mm_peak_us": round(1e6 * sum(f / gpu.matmul_flops_per_s(d) for d, f in w.matmul_flops), 3),
+                        "vector_us": round(1e6 * w.vector_flops / gpu.vector_flops_per_s("f32"), 3),
+                        "mem_peak_us": round(1e6 * w.bytes / gpu.hbm_bytes_per_s, 3),
+                        "model_kernels": kernel_count(op)}
+                except Exception:  # noqa: BLE001 - the row keeps its prediction without the terms
+                    pass
     return pred, cls, judge_module(final_text, cost_model).us
 
 
@@ -981,8 +1042,14 @@ def _split_layout(layout: str) -> tuple[list[str], list[str]]:
     return arrays(params), arrays(result)
 
 
-def calibrate_case(prepared_dir: str, case_name: str, out_dir: str, iters: int = 10) -> tuple[list, list]:
-    """Item c for one prepared case on the first GPU: (kernel rows, calibration rows)."""
+def calibrate_case(prepared_dir: str, case_name: str, out_dir: str, iters: int = 10,
+                   tuned: bool = True) -> tuple[list, list]:
+    """Item c for one prepared case on the first GPU: (kernel rows, calibration rows).
+
+    ``tuned`` (where the prepared ``*_post`` modules exist): the modules are XLA's scheduled
+    modules compiled here, with this GPU's autotuning, from the modules before XLA's pipeline
+    (XLA's order, compute only); else the prepared deviceless scheduled modules (default GEMM
+    configurations: what a deviceless compile picks, not what a GPU runs)."""
     import jax
 
     from concerto_jax.costmodel import CostModel, get_cluster
@@ -997,8 +1064,28 @@ def calibrate_case(prepared_dir: str, case_name: str, out_dir: str, iters: int =
     env = {"xla_gpu_enable_command_buffer": ""}  # one profiler event per kernel (no CUDA graphs)
     kernels, steps = [], []
     for program in ("stock", "ours"):
-        with gzip.open(os.path.join(prepared_dir, f"{case_name}.{program}.hlo.gz"), "rt") as f:
-            text, _ = standin_collectives(f.read())
+        post_file = os.path.join(prepared_dir, f"{case_name}.{program}_post.hlo.gz")
+        if tuned and os.path.exists(post_file):
+            # XLA's whole pipeline on this GPU (its autotuning picks the GEMM and convolution
+            # configurations) on the module before XLA's pipeline, collectives stood in: a
+            # deviceless compile cannot autotune, and its default GEMM tiles run many times slower
+            from concerto_jax.deviceless.program import compile_replicated_for_target
+
+            with gzip.open(post_file, "rt") as f:
+                post, _ = standin_collectives(f.read())
+            try:
+                # XLA's defaults here, not the run's deterministic-ops flag (item a's bitwise checks)
+                text = route._require_scheduled(compile_replicated_for_target(
+                    post, [device], {"xla_gpu_exclude_nondeterministic_ops": False}, after_lhs=True)[3])
+                modules = "tuned"
+            except Exception as e:  # noqa: BLE001 - the deviceless modules still calibrate the rest
+                log.warning("%s %s: XLA's pipeline on this GPU failed (%s); the deviceless module is timed",
+                            case_name, program, str(e).splitlines()[0][:200] if str(e) else type(e).__name__)
+                tuned = False
+        if not (tuned and os.path.exists(post_file)):
+            with gzip.open(os.path.join(prepared_dir, f"{case_name}.{program}.hlo.gz"), "rt") as f:
+                text, _ = standin_collectives(f.read())
+            modules = "deviceless"
         try:
             payload = route.compile_payload(text, target, 1, replicated=False, env=env)
         except Exception as e:  # noqa: BLE001 - the option refused: command buffers stay on
@@ -1024,19 +1111,21 @@ def calibrate_case(prepared_dir: str, case_name: str, out_dir: str, iters: int =
             for _ in range(3):
                 jax.block_until_ready(run(*inputs))
         measured = kernel_times(profile_dir, runs=3)
-        pred, cls, pred_step = _predictions(payload.final_text, cost_model)
+        work: dict = {}
+        pred, cls, pred_step = _predictions(payload.final_text, cost_model, work)
         mapped = 0
         for kernel, (us, launches) in sorted(measured.items()):
             name = instruction_of(kernel, pred)
             if name in pred:
                 mapped += 1
-            kernels.append({"case": case_name, "program": program, "instruction": name,
+            kernels.append({"case": case_name, "program": program, "modules": modules, "instruction": name,
                             "class": cls.get(name, "unmapped"), "predicted_us": round(pred.get(name, float("nan")), 2),
-                            "measured_us": round(us, 2), "launches": launches})
+                            "measured_us": round(us, 2), "launches": launches, **work.get(name, {})})
         import statistics
 
         step_us = statistics.median(times)
-        steps.append({"case": case_name, "program": program, "predicted_step_us": round(pred_step, 1),
+        steps.append({"case": case_name, "program": program, "modules": modules,
+                      "predicted_step_us": round(pred_step, 1),
                       "measured_step_us": round(step_us, 1),
                       "error": round((pred_step - step_us) / step_us, 3) if step_us else "",
                       "kernels_mapped": mapped, "kernels_unmapped": len(measured) - mapped,
@@ -1095,21 +1184,25 @@ def class_errors(kernels: Sequence[dict]) -> list[dict]:
              "error": round((pu - mu) / mu, 3) if mu else ""} for (p, c), (n, pu, mu) in sorted(agg.items())]
 
 
-def gpu_half(run: Run, prepared: str | None, cases: Sequence, passes: Sequence[str]) -> str:
+def gpu_half(run: Run, prepared: str | None, cases: Sequence, passes: Sequence[str],
+             items: Sequence[str] = ("a", "b", "c")) -> str:
     import jax
-
 
     device = jax.devices()[0]
     run.check("target_config", lambda: json.dumps(dataclasses.asdict(dataclasses.replace(
         route.device_target([device]), config_text="..."))))
-    steps, seen = gpt_steps([device])
-    for name, (step, case) in steps.items():
-        run.check(f"a/{name}", lambda step=step, case=case, name=name: route_check(
-            name, step, case, passes, seen if name.endswith("callback") else None), needs_s=25)
-    f32_step, f32_case = steps["gpt_f32"]
-    run.check("a/perturbed_order", lambda: perturbed_check(f32_step, f32_case), needs_s=25)
-    gpu_negative_checks(run)
+    if "a" in items:
+        steps, seen = gpt_steps([device])
+        for name, (step, case) in steps.items():
+            run.check(f"a/{name}", lambda step=step, case=case, name=name: route_check(
+                name, step, case, passes, seen if name.endswith("callback") else None), needs_s=25)
+        f32_step, f32_case = steps["gpt_f32"]
+        run.check("a/perturbed_order", lambda: perturbed_check(f32_step, f32_case), needs_s=25)
+    if "b" in items:
+        gpu_negative_checks(run)
     md = ""
+    if "c" not in items:
+        return md
     if prepared is None or not os.path.isdir(prepared):
         run.skip("c/calibration", f"no prepared modules ({prepared!r}); make them on a CPU machine with "
                                   "`python -m concerto_jax.gpu_check --prepare DIR` and pass --prepared DIR")
@@ -1124,20 +1217,27 @@ def gpu_half(run: Run, prepared: str | None, cases: Sequence, passes: Sequence[s
             k, s = calibrate_case(prepared, name, run.out)
             kernels.extend(k)
             calib.extend(s)
+            _write_calibration(run.out, kernels, calib)
             stock, ours = (next(r for r in s if r["program"] == p) for p in ("stock", "ours"))
-            return (f"compute-only step: stock {stock['measured_step_us']} us measured / "
+            return (f"{stock['modules']}/{ours['modules']} modules; compute-only step: stock "
+                    f"{stock['measured_step_us']} us measured / "
                     f"{stock['predicted_step_us']} predicted, ours {ours['measured_step_us']} / "
                     f"{ours['predicted_step_us']}; kernels mapped {stock['kernels_mapped']}+{ours['kernels_mapped']}")
-        run.check(f"c/{name}", one, needs_s=35)
-    write_csv(os.path.join(run.out, "kernels.csv"), kernels, _KERNEL_COLUMNS)
-    write_csv(os.path.join(run.out, "calibration.csv"), calib, _CALIBRATION_COLUMNS)
+        run.check(f"c/{name}", one, needs_s=60)
+    return _write_calibration(run.out, kernels, calib)
+
+
+def _write_calibration(out: str, kernels: Sequence[dict], calib: Sequence[dict]) -> str:
+    """Item c's tables so far: kernels.csv, calibration.csv, kernel_classes.csv, calibration.md."""
+    write_csv(os.path.join(out, "kernels.csv"), kernels, _KERNEL_COLUMNS)
+    write_csv(os.path.join(out, "calibration.csv"), calib, _CALIBRATION_COLUMNS)
     errors = class_errors(kernels)
-    write_csv(os.path.join(run.out, "kernel_classes.csv"), errors,
+    write_csv(os.path.join(out, "kernel_classes.csv"), errors,
               ("program", "class", "kernels", "predicted_us", "measured_us", "error"))
     md = ("## Calibration (compute only: collectives stood in)\n\n" + markdown_table(calib, _CALIBRATION_COLUMNS)
           + "\n\n## Cost-model error per kernel class\n\n"
           + markdown_table(errors, ("program", "class", "kernels", "predicted_us", "measured_us", "error")))
-    with open(os.path.join(run.out, "calibration.md"), "w") as f:
+    with open(os.path.join(out, "calibration.md"), "w") as f:
         f.write(md + "\n")
     return md
 
@@ -1169,8 +1269,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=None,
                     help=f"stop starting checks when this is spent (default {DEFAULT_BUDGET_S:g}; "
                          "with --prepare, none)")
+    ap.add_argument("--items", default="a,b,c",
+                    help="GPU half: which items to run, of a (route), b (negative cases), c (calibration); "
+                         "default: %(default)s")
     ap.add_argument("--log-level", default="INFO")
     args = ap.parse_args(argv)
+    items = tuple(i for i in args.items.split(",") if i)
+    if set(items) - {"a", "b", "c"}:
+        ap.error(f"--items takes a comma-separated subset of a,b,c; got {args.items!r}")
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "jax._src", "concerto_jax.scheduler", "concerto_jax.deviceless", "concerto_jax.pipeline"):
@@ -1208,7 +1314,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             run.check(f"deviceless/{case.name}", lambda case=case: check_deviceless(
                 deviceless_case(case, passes), case), needs_s=60)
     if on_gpu:
-        md = gpu_half(run, args.prepared, cases, passes)
+        md = gpu_half(run, args.prepared, cases, passes, items)
     else:
         rehearsal_checks(run)
         for item, what in (("a", "the full route on 1-device GPT train steps"),

@@ -334,6 +334,7 @@ class Plan:
     replicated: bool
     passes: tuple
     sha256: str
+    rewritten: str | None = None  # the rewriting passes' module (before XLA's pipeline) when kept
 
     def to_json(self) -> dict:
         return {"handed": self.handed, "replicated": self.replicated, "sha256": self.sha256,
@@ -389,7 +390,7 @@ def plan_on_scheduled(post_spmd: str, scheduled: str | None, options,
     records: list = []
     rewriting = tuple(p for p in options.passes if p not in PLAN_PASSES)
     _require_scheduled(scheduled)
-    src, replicated = scheduled, False
+    src, replicated, rewritten = scheduled, False, None
     if rewriting:
         pre = pipeline.run(post_spmd, _with_fused_reference(
             dataclasses.replace(options, passes=rewriting), scheduled))
@@ -398,7 +399,7 @@ def plan_on_scheduled(post_spmd: str, scheduled: str | None, options,
             executor.check_signature(post_spmd, pre.text)
             try:
                 src = _require_scheduled(xla_scheduled(pre.text))
-                replicated = True
+                replicated, rewritten = True, pre.text
             except Exception as e:  # noqa: BLE001 - the rewrite is dropped, the order still planned
                 why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
                 log.warning("GPU route: XLA's pipeline on the rewritten module failed (%s); the "
@@ -419,7 +420,7 @@ def plan_on_scheduled(post_spmd: str, scheduled: str | None, options,
         if not keep:
             log.info("GPU route: the rewrite (%s) plans %.1f us vs %.1f us without it: dropped",
                      ",".join(rewriting), ours_us, plain_us)
-            handed, record, replicated = plain, plain_record, False
+            handed, record, replicated, rewritten = plain, plain_record, False, None
     if record is not None:
         records.append(record)
     if "pin" in options.passes:
@@ -427,7 +428,7 @@ def plan_on_scheduled(post_spmd: str, scheduled: str | None, options,
 
         records.append(PassRecord("pin", False, 0.0, {"skipped": "not needed: XLA's backend keeps "
                                                                  "the handed order"}))
-    return Plan(handed, replicated, tuple(records), _sha(handed))
+    return Plan(handed, replicated, tuple(records), _sha(handed), rewritten)
 
 
 def _require_scheduled(src: str | None) -> str:
