@@ -71,10 +71,13 @@ class _Entry:
 
 
 def _leaf_signature(x: Any) -> tuple:
-    if isinstance(x, jax.Array):  # typed PRNG key arrays included (no weak_type there)
-        return ("array", x.shape, str(x.dtype), getattr(x, "weak_type", False), x.sharding)
+    # every call keys its arguments, so this stays cheap: the array's aval (shape, dtype, weak
+    # type) as an object, not names (``str(dtype)`` alone cost ~5 us a leaf: on a GPU, the
+    # wrapper's keying made a 0.8 ms step 1.5x slower)
+    if isinstance(x, jax.Array):  # typed PRNG key arrays included
+        return ("array", x.aval, x.sharding)
     if hasattr(x, "shape") and hasattr(x, "dtype"):  # numpy arrays, ShapeDtypeStructs
-        return ("array", tuple(x.shape), str(x.dtype), False, getattr(x, "sharding", None))
+        return ("array", tuple(x.shape), x.dtype, False, getattr(x, "sharding", None))
     return ("py", type(x))
 
 
