@@ -163,13 +163,21 @@ def plan_computation(module, comp, cost_model: CostModel, schedule: ScheduleOpti
         old = list(comp.instructions)
         new = order_from_events(hg, result.events, old)
         changed = [i.name for i in new] != [i.name for i in old]
-        if changed:
-            order = tuple(i.name for i in new)
         scheduled_us = result.makespan_us
         source, solver_s = result.source, result.wall_time_s
         memory = dict(input_peak_bytes=result.input_peak_memory_bytes,
                       peak_bytes=result.peak_memory_bytes,
                       memory_limit_bytes=result.memory_limit_bytes)
+        kept_us = judge_graph(hg.graph, hg.events).makespan_us() if changed else scheduled_us
+        over_limit = (result.input_peak_memory_bytes is not None and result.memory_limit_bytes is not None
+                      and result.input_peak_memory_bytes > result.memory_limit_bytes)
+        if changed and not over_limit and scheduled_us > kept_us * (1.0 - schedule.min_gain):
+            # no material modelled gain: XLA's order stays (ties and slivers are not worth a change)
+            changed, scheduled_us = False, kept_us
+            source = f"kept (gain {1 - result.makespan_us / kept_us:.2%} < min_gain)" if kept_us else "kept"
+            memory["peak_bytes"] = result.input_peak_memory_bytes
+        if changed:
+            order = tuple(i.name for i in new)
     times["program"][comp.name] = program_us
     times["scheduled"][comp.name] = scheduled_us
     times["bound"][comp.name] = bound_us

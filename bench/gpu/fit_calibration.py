@@ -1,0 +1,157 @@
+"""Fit the cost model's kernel rates to the kernels a GPU check measured.
+
+    python -m bench.gpu.fit_calibration bench/results/gpu/h200-2026-11-27-run2
+
+Reads ``kernels.csv`` and ``calibration.csv`` of a ``python -m concerto_jax.gpu_check`` run (its
+tuned modules: XLA's autotuned kernels, collectives stood in) and fits, per kernel class, the
+two numbers of the roofline the model uses (``costmodel.compute.work_time_us``): an achieved
+fraction of the peak rate (tensor-core peak for kernels with matrix work, HBM bandwidth for the
+rest) and a fixed time per kernel. Half of the suite cases fit, the other half is held back.
+Per class it reports the error before (the shipped defaults) and after, on both halves: the
+error of the class's summed time and the median per-kernel relative error. Per case it reports
+the step's time outside its kernels (gaps: launches, synchronisation), per kernel launched.
+
+Writes ``fit.csv``, ``fit_steps.csv`` and ``fit.md`` beside the input. Everything it reads was
+measured on the GPU named in the run's ``checks.md``; the fit itself is arithmetic here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import math
+import os
+import statistics
+
+import numpy as np
+
+log = logging.getLogger("concerto_jax.fit_calibration")
+
+CLASSES = ("matmul", "reduction_fusion", "loop_fusion", "other")
+
+
+def kernel_group(row: dict) -> str:
+    """The fit's class of a kernel row: matrix work first, else the row's own class."""
+    if float(row["mm_peak_us"] or 0) > 0:
+        return "matmul"
+    return row["class"] if row["class"] in ("reduction_fusion", "loop_fusion") else "other"
+
+
+def load(run_dir: str) -> tuple[list[dict], list[dict]]:
+    with open(os.path.join(run_dir, "kernels.csv")) as f:
+        kernels = [r for r in csv.DictReader(f) if r.get("modules", "tuned") == "tuned"
+                   and r.get("mm_peak_us") not in (None, "") and r["predicted_us"] not in ("", "nan")]
+    with open(os.path.join(run_dir, "calibration.csv")) as f:
+        steps = [r for r in csv.DictReader(f) if r.get("modules", "tuned") == "tuned"]
+    for r in kernels:
+        for k in ("predicted_us", "measured_us", "mm_peak_us", "vector_us", "mem_peak_us"):
+            r[k] = float(r[k])
+        r["launches"] = max(int(r["launches"]), 1)
+        r["model_kernels"] = int(r["model_kernels"])
+        r["group"] = kernel_group(r)
+    return kernels, steps
+
+
+def model_us(r: dict, efficiency: float, fixed_us: float) -> float:
+    """One launch of the kernel of row ``r`` under ``(efficiency, fixed_us)``."""
+    if r["group"] == "matmul":
+        busy = max(r["mm_peak_us"] / efficiency + r["vector_us"], r["mem_peak_us"] / 0.8)
+    else:
+        busy = max(r["vector_us"], r["mem_peak_us"] / efficiency)
+    return busy + fixed_us
+
+
+def fit_group(rows: list[dict]) -> tuple[float, float]:
+    """``(efficiency, fixed_us)`` minimising ``sum((pred - measured)^2 / measured)`` over the
+    measured launches: the long kernels, which make a step's time, weigh most, and the short
+    ones still count."""
+    if not rows:
+        return math.nan, math.nan
+    measured = np.array([r["measured_us"] / r["launches"] for r in rows])
+    keep = measured > 0
+    best, arg = math.inf, (math.nan, math.nan)
+    for eff in np.linspace(0.05, 1.5, 146):
+        for fixed in np.linspace(0.0, 8.0, 81):
+            pred = np.array([model_us(r, eff, fixed) for r in rows])
+            err = float(np.sum((pred[keep] - measured[keep]) ** 2 / measured[keep]))
+            if err < best:
+                best, arg = err, (float(eff), float(fixed))
+    return arg
+
+
+def errors(rows: list[dict], predict) -> tuple[float, float]:
+    """(summed-time relative error, median per-kernel relative error) of ``predict(row)``."""
+    if not rows:
+        return math.nan, math.nan
+    pred = [predict(r) * r["launches"] for r in rows]
+    meas = [r["measured_us"] for r in rows]
+    total = (sum(pred) - sum(meas)) / sum(meas)
+    return total, statistics.median(abs(p - m) / m for p, m in zip(pred, meas, strict=True) if m > 0)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir", help="a gpu_check output directory (kernels.csv, calibration.csv)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    kernels, steps = load(args.run_dir)
+    cases = sorted({r["case"] for r in kernels})
+    fit_cases, held_cases = set(cases[0::2]), set(cases[1::2])
+    out_rows = []
+    for group in CLASSES:
+        rows = [r for r in kernels if r["group"] == group]
+        fit_rows = [r for r in rows if r["case"] in fit_cases]
+        held_rows = [r for r in rows if r["case"] in held_cases]
+        eff, fixed = fit_group(fit_rows)
+        for half, subset in (("fit", fit_rows), ("held_out", held_rows)):
+            before = errors(subset, lambda r: r["predicted_us"] / r["launches"])
+            after = errors(subset, lambda r, e=eff, c=fixed: model_us(r, e, c))
+            out_rows.append({"class": group, "half": half, "kernels": len(subset),
+                             "fitted_efficiency": round(eff, 3), "fitted_fixed_us": round(fixed, 2),
+                             "sum_error_before": round(before[0], 3), "sum_error_after": round(after[0], 3),
+                             "median_abs_error_before": round(before[1], 3),
+                             "median_abs_error_after": round(after[1], 3)})
+            log.info("%-16s %-8s %4d kernels: eff %.3f fixed %.2f us; sum error %+.3f -> %+.3f; "
+                     "median |error| %.3f -> %.3f", group, half, len(subset), eff, fixed, *before[:1],
+                     after[0], before[1], after[1])
+    step_rows = []
+    for s in steps:
+        ks = [r for r in kernels if r["case"] == s["case"] and r["program"] == s["program"]]
+        launched = sum(r["launches"] for r in ks)
+        busy = sum(r["measured_us"] for r in ks)
+        step = float(s["measured_step_us"])
+        step_rows.append({"case": s["case"], "program": s["program"], "measured_step_us": step,
+                          "kernel_sum_us": round(busy, 1), "kernels": launched,
+                          "outside_kernels_us": round(step - busy, 1),
+                          "outside_per_kernel_us": round((step - busy) / launched, 2) if launched else ""})
+    d = args.run_dir
+    cols = list(out_rows[0])
+    with open(os.path.join(d, "fit.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        w.writerows(out_rows)
+    with open(os.path.join(d, "fit_steps.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(step_rows[0]))
+        w.writeheader()
+        w.writerows(step_rows)
+    per_kernel = [r["outside_per_kernel_us"] for r in step_rows if r["outside_per_kernel_us"] != ""]
+    with open(os.path.join(d, "fit.md"), "w") as f:
+        f.write("# Kernel-rate fit (measured kernels; fit on " + ", ".join(sorted(fit_cases))
+                + "; held out " + ", ".join(sorted(held_cases)) + ")\n\n")
+        f.write("`python -m bench.gpu.fit_calibration " + d + "`\n\n")
+        f.write("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n")
+        for r in out_rows:
+            f.write("| " + " | ".join(str(r[c]) for c in cols) + " |\n")
+        f.write("\n## Step time outside kernels (XLA's command buffers off, as the check compiles)\n\n")
+        sc = list(step_rows[0])
+        f.write("| " + " | ".join(sc) + " |\n|" + "---|" * len(sc) + "\n")
+        for r in step_rows:
+            f.write("| " + " | ".join(str(r[c]) for c in sc) + " |\n")
+        f.write(f"\nMedian time outside kernels per kernel launched: {statistics.median(per_kernel):.2f} us\n")
+    log.info("wrote %s", os.path.join(d, "fit.md"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
