@@ -75,7 +75,9 @@ def _leaf_signature(x: Any) -> tuple:
     # type) as an object, not names (``str(dtype)`` alone cost ~5 us a leaf: on a GPU, the
     # wrapper's keying made a 0.8 ms step 1.5x slower)
     if isinstance(x, jax.Array):  # typed PRNG key arrays included
-        return ("array", x.aval, x.sharding)
+        # equivalent shardings key alike: a step's outputs often carry P() where its inputs had
+        # P(None, None, None), and a second key meant a second build of the whole step
+        return ("array", x.aval, jax_compat.sharding_identity(x.sharding, x.ndim))
     if hasattr(x, "shape") and hasattr(x, "dtype"):  # numpy arrays, ShapeDtypeStructs
         return ("array", tuple(x.shape), x.dtype, False, getattr(x, "sharding", None))
     return ("py", type(x))

@@ -192,6 +192,27 @@ def custom_call_targets(platform: str) -> Any:
 
 # -- JAX's compiled steps (checked on 0.11.2, 0.12.0.1) ----------------------------------------
 
+_SHARDING_IDS: dict = {}
+
+
+def sharding_identity(sharding, ndim: int) -> Any:
+    """A hashable value equal for shardings that place an ``ndim``-array alike: the devices in
+    order, XLA's sharding and the memory kind (``P(None, None)`` and ``P()`` over one mesh are
+    one identity; as objects they differ). Memoised per sharding object; the sharding itself
+    where JAX's internals do not say."""
+    key = (sharding, ndim)
+    found = _SHARDING_IDS.get(key)
+    if found is None:
+        try:
+            found = (tuple(d.id for d in sharding._device_assignment),
+                     str(sharding._to_xla_hlo_sharding(ndim)), getattr(sharding, "memory_kind", None))
+        except Exception:  # noqa: BLE001 - another sharding type or JAX: the object keys itself
+            found = sharding
+        if len(_SHARDING_IDS) < 4096:
+            _SHARDING_IDS[key] = found
+    return found
+
+
 def unloaded_executable(compiled) -> Any:
     """The ``UnloadedMeshExecutable`` of a ``jax.stages.Compiled`` (devices, callbacks,
     output avals and shardings, effects)."""
