@@ -262,7 +262,8 @@ def capture(fn: Any, args: tuple, kwargs: Mapping[str, Any] | None = None, *,
             "xla_llvm_disable_expensive_passes": True,
         }
         options.update(compiler_options or {})
-        compiled = lowered.compile(compiler_options=options)
+        with jax_compat.no_persistent_cache():  # a cache hit would dump nothing
+            compiled = lowered.compile(compiler_options=options)
         text = _read_single(_SPMD_DUMP_GLOB, dump_dir)
         if text is not None:
             text = restore_parameter_shardings(text, _read_single(_PARTITIONER_INPUT_GLOB, dump_dir))

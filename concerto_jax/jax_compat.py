@@ -192,6 +192,31 @@ def custom_call_targets(platform: str) -> Any:
 
 # -- JAX's compiled steps (checked on 0.11.2, 0.12.0.1) ----------------------------------------
 
+@contextlib.contextmanager
+def no_persistent_cache() -> Iterator[None]:
+    """JAX's persistent compilation cache unused while the block runs: a compile whose dumps we
+    read must run XLA's passes (a hit runs none and dumps nothing; MaxText turns the cache on).
+
+    JAX decides once per process whether the cache is used (``compilation_cache.is_cache_used``
+    memoises it; its config flag is read only then), so the block sets that memo to "not used"
+    and puts the process's own decision back after it. Compiles of other threads meanwhile miss
+    the cache too (they compile; nothing is wrong). Where JAX keeps no such memo, a no-op."""
+    from jax._src import compilation_cache as cc
+
+    lock = getattr(cc, "_cache_initialized_mutex", None)
+    if lock is None or not hasattr(cc, "_cache_checked") or not hasattr(cc, "_cache_used"):
+        yield
+        return
+    with lock:
+        saved = (cc._cache_checked, cc._cache_used)
+        cc._cache_checked, cc._cache_used = True, False
+    try:
+        yield
+    finally:
+        with lock:
+            cc._cache_checked, cc._cache_used = saved
+
+
 _SHARDING_IDS: dict = {}
 
 

@@ -226,3 +226,42 @@ def test_target_mesh_axis_types_must_match_the_shape():
         pytest.skip("CUDA plugin not installed")
     with pytest.raises(ValueError, match="one jax.sharding.AxisType per axis"):
         concerto_jax.target_mesh("h100_sxm_8", (2, 4), ("dp", "tp"), axis_types=(AxisType.Explicit,))
+
+
+def test_persistent_compilation_cache_does_not_hide_the_step(tmp_path):
+    # MaxText turns JAX's persistent compilation cache on; a cache hit runs no XLA pass, so a
+    # capture that read XLA's dumps found none and fell back. The capture compiles bypass it.
+    from jax._src import compilation_cache
+
+    mesh = jax.make_mesh((1,), ("d",), devices=jax.devices()[:1])  # JAX caches no multi-CPU program
+    shard = NamedSharding(mesh, P("d"))
+
+    @jax.jit
+    def step(w, x):
+        return w - 0.1 * jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+
+    w = jax.device_put(jnp.ones((16, 16)) * 0.01, NamedSharding(mesh, P()))
+    x = jax.device_put(jnp.arange(128.0).reshape(8, 16) / 128, shard)
+    saved = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir",
+                                                  "jax_persistent_cache_min_compile_time_secs",
+                                                  "jax_persistent_cache_min_entry_size_bytes")}
+    try:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+        compilation_cache.reset_cache()
+        # the first optimize's compiles fill the cache (as a first training run would); the second
+        # (a restarted run; no plan cache) compiles the same programs again
+        options = concerto_jax.Options(passes=("schedule",), cache_dir=None)
+        for _ in range(2):
+            opt = concerto_jax.optimize(step, options)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", concerto_jax.ConcertoFallbackWarning)
+                got = opt(w, x)
+            assert opt.report().instructions > 0
+            assert (got == step(w, x)).all()
+        assert any(tmp_path.iterdir()), "the persistent cache wrote nothing: the case does not apply"
+    finally:
+        for k, v in saved.items():
+            jax.config.update(k, v)
+        compilation_cache.reset_cache()

@@ -249,7 +249,8 @@ def compile_lowered(lowered, cluster: Cluster, options: CompileOptions = Compile
         opts = options.compiler_options(d if options.dump_lhs or options.dump_spmd or options.dump_scheduled
                                         else None)
         t0 = time.perf_counter()
-        compiled = lowered.compile(compiler_options=opts)
+        with jax_compat.no_persistent_cache():  # a cache hit would dump nothing
+            compiled = lowered.compile(compiler_options=opts)
         dt = time.perf_counter() - t0
         before = _read_dump(d, "before_latency-hiding-scheduler") if options.dump_lhs else None
         after = _read_dump(d, "after_latency-hiding-scheduler") if options.dump_lhs else None

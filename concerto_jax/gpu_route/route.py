@@ -473,7 +473,8 @@ class GpuBackend:
                     "xla_dump_hlo_pass_re": "|".join((jax_compat.SPMD_PASS, jax_compat.LHS_PASS,
                                                       jax_compat.SCHEDULED_PASS))}
             opts.update(compiler_options)
-            compiled = lowered.compile(compiler_options=opts)
+            with jax_compat.no_persistent_cache():  # a cache hit would dump nothing
+                compiled = lowered.compile(compiler_options=opts)
             module = _module_name(compiled)
             post = (_read_module_dump(d, module, f"after_{jax_compat.SPMD_PASS}")
                     or _read_module_dump(d, module, "before_optimizations"))
@@ -536,7 +537,8 @@ class CpuRehearsal:
             opts = {"xla_dump_to": d, "xla_dump_hlo_as_text": True, "xla_dump_large_constants": True,
                     "xla_dump_hlo_pass_re": jax_compat.SPMD_PASS}
             opts.update(compiler_options)
-            compiled = lowered.compile(compiler_options=opts)
+            with jax_compat.no_persistent_cache():  # a cache hit would dump nothing
+                compiled = lowered.compile(compiler_options=opts)
             module = _module_name(compiled)
             post = (_read_module_dump(d, module, f"after_{jax_compat.SPMD_PASS}")
                     or _read_module_dump(d, module, "before_optimizations"))
