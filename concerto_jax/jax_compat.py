@@ -201,7 +201,7 @@ def no_persistent_cache() -> Iterator[None]:
     memoises it; its config flag is read only then), so the block sets that memo to "not used"
     and puts the process's own decision back after it. Compiles of other threads meanwhile miss
     the cache too (they compile; nothing is wrong). Where JAX keeps no such memo, a no-op."""
-    from jax._src import compilation_cache as cc
+    from jax._src import compilation_cache as cc  # lazy: JAX internals, only around a capture
 
     lock = getattr(cc, "_cache_initialized_mutex", None)
     if lock is None or not hasattr(cc, "_cache_checked") or not hasattr(cc, "_cache_used"):

@@ -659,9 +659,9 @@ def interleaved_step_us(fns: dict, case, rounds: int = 5, per: int = 4) -> dict:
     """Median microseconds per step of each of ``fns`` (``{name: step}``), timed in ``rounds``
     interleaved blocks of ``per`` steps from the case's initial state (donation-safe: each
     block carries its state on)."""
-    import statistics
+    import statistics  # lazy: only the GPU half times steps
 
-    import jax
+    import jax  # lazy: only the GPU half times steps
 
     states = {k: case.init_state(0) for k in fns}
     times: dict = {k: [] for k in fns}
@@ -948,6 +948,8 @@ def _predictions(final_text: str, cost_model, work: dict | None = None) -> tuple
     ``work`` (if given) receives ``{instruction: {mm_peak_us, vector_us, mem_peak_us,
     model_kernels}}``: the roofline terms at full efficiency, for refitting the model's rates."""
     from concerto_jax.costmodel import op_info
+
+    # lazy: the cost model, only where predictions are made
     from concerto_jax.costmodel.compute import kernel_count, work_of
     from concerto_jax.judge import judge_module
     from hlo_passes.ir import parse_module
@@ -1069,13 +1071,13 @@ def calibrate_case(prepared_dir: str, case_name: str, out_dir: str, iters: int =
             # XLA's whole pipeline on this GPU (its autotuning picks the GEMM and convolution
             # configurations) on the module before XLA's pipeline, collectives stood in: a
             # deviceless compile cannot autotune, and its default GEMM tiles run many times slower
-            from concerto_jax.deviceless.program import compile_replicated_for_target
+            from concerto_jax.deviceless import program  # lazy: a GPU compile, calibration only
 
             with gzip.open(post_file, "rt") as f:
                 post, _ = standin_collectives(f.read())
             try:
                 # XLA's defaults here, not the run's deterministic-ops flag (item a's bitwise checks)
-                text = route._require_scheduled(compile_replicated_for_target(
+                text = route._require_scheduled(program.compile_replicated_for_target(
                     post, [device], {"xla_gpu_exclude_nondeterministic_ops": False}, after_lhs=True)[3])
                 modules = "tuned"
             except Exception as e:  # noqa: BLE001 - the deviceless modules still calibrate the rest
