@@ -149,7 +149,10 @@ class OptimizedStep:
         if runner is None:
             return self._fn(*args, **kwargs)
         dyn_args, dyn_kwargs = self._static.dynamic(args, kwargs)
-        return runner(*dyn_args, **dyn_kwargs)
+        try:
+            return runner(*dyn_args, **dyn_kwargs)
+        except Exception as e:  # noqa: BLE001 - our executable refused to run (unchecked call)
+            return self._failed_run(entry, e, args, kwargs)
 
     def report(self) -> Report:
         """The report of the signature used by the latest call.
@@ -460,6 +463,25 @@ class OptimizedStep:
                           f"its worst)")
         found = "; ".join(worse) if worse else "another process found a less accurate output"
         return False, f"less accurate than the original against the step in wider precision: {found}"
+
+    def _failed_run(self, entry: _Entry, error: Exception, args: tuple, kwargs: dict):
+        """An unchecked call whose executable raised at launch: the original from now on, with
+        one warning; raised instead where the original cannot run in its place (``fallback``
+        off, inputs donated to the failed launch, or several processes, which must agree)."""
+        if not self.options.fallback or jax.process_count() > 1:
+            raise error
+        if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves((args, kwargs))):
+            raise RuntimeError("concerto_jax: the optimised executable failed after its inputs were "
+                               "donated, so the original step cannot run in its place; run with "
+                               "Options(check_first_step=True) to check the first call") from error
+        name = getattr(self._fn, "__name__", "step")
+        why = (f"the optimised executable failed to run "
+               f"({type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]})")
+        self._warn(why, name)
+        entry.runner = None
+        entry.report = dataclasses.replace(entry.report, optimized=False, fallback_reason=why,
+                                           executable="original")
+        return self._fn(*args, **kwargs)
 
     def _checked_call(self, entry: _Entry, args: tuple, kwargs: dict):
         """The first call of a recompiled signature, compared with the original step."""

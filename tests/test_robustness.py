@@ -480,3 +480,37 @@ def test_first_step_check_tolerance_and_differences():
         all_nan = jnp.full((3,), jnp.nan)
         assert first_step.differences(all_nan, all_nan, tolerance=1e-3) == []
         assert first_step.differences(all_nan, jnp.zeros(3), tolerance=1e-3)
+
+
+def test_an_unchecked_step_that_fails_to_run_falls_back(monkeypatch):
+    # with the first-step check off, a launch failure of our executable used to reach the user:
+    # the original runs instead, with one warning, and from then on
+    mesh = _mesh()
+    step, make_args = _mlp_step(mesh)
+    cls = type(concerto_jax.optimize(step))
+    real = cls._build
+    calls = []
+
+    def build(self, *a, **k):
+        entry = real(self, *a, **k)
+        if entry.runner is not None:
+            def fails(*args, **kwargs):
+                calls.append(1)
+                raise RuntimeError("UNIMPLEMENTED: simulated failure of our executable")
+            entry.runner = fails
+        return entry
+
+    monkeypatch.setattr(cls, "_build", build)
+    opt = concerto_jax.optimize(step, concerto_jax.Options(always_recompile=True, check_first_step=False))
+    with pytest.warns(concerto_jax.ConcertoFallbackWarning, match="failed to run .*simulated failure"):
+        got = opt(*make_args())
+    assert calls == [1]
+    assert_tree_bitwise(got, step(*make_args()))
+    rep = opt.report()
+    assert not rep.optimized and rep.executable == "original" and "simulated failure" in rep.fallback_reason
+    assert_tree_bitwise(opt(*make_args()), step(*make_args()))
+    assert calls == [1], "the failed executable must not run again"
+    strict = concerto_jax.optimize(step, concerto_jax.Options(always_recompile=True, check_first_step=False,
+                                                              fallback=False))
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        strict(*make_args())
