@@ -18,9 +18,14 @@
 #   gpu_check, e.g. `--items c --cases NAMES` for a second call on a warm machine), and leaves at
 #   most 8 files in $OUT/gc (checks, calibration tables, the log, the raw profiles as one tar.gz).
 #
+# probe: bench/gpu/dispatch_probe.py into $OUT/probe (plain jit vs the route vs optimize).
+#
 # The device tool's call (device time: about 10 minutes of a 15-minute lease):
 #   run(command="bash bench/gpu/run_gpu_check.sh device", carry=[".whl", ".gpu_prepared"],
 #       timeout_s=560)
+# A re-check of the route's speed (about 3 minutes): item a and b, then the probe:
+#   run(command="GC_BUDGET_S=120 GC_TIMEOUT_S=170 bash bench/gpu/run_gpu_check.sh device --items a,b;
+#       bash bench/gpu/run_gpu_check.sh probe", carry=[".whl", ".gpu_prepared"], timeout_s=360)
 set -euo pipefail
 
 ORTOOLS=9.15.6755
@@ -43,10 +48,30 @@ prepare() {
     du -sh .whl .gpu_prepared
 }
 
+install() {  # the carried wheels, once per machine
+    if [ ! -f /tmp/site/.installed ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+        touch /tmp/site/.installed
+    fi
+}
+
+probe() {  # where optimize's step time goes (bench/gpu/dispatch_probe.py): about a minute
+    local out="${OUT:-/tmp/out}/probe"
+    mkdir -p "$out"
+    install
+    set +e
+    PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 timeout "${PROBE_TIMEOUT_S:-150}" \
+        python3 bench/gpu/dispatch_probe.py --out "$out" > "$out/log" 2>&1
+    local rc=$?
+    grep "dispatch_probe" "$out/log" | tail -14
+    set -e
+    return "$rc"
+}
+
 device() {
     local out="${OUT:-/tmp/out}/gc"
     mkdir -p "$out"
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    install
     export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
     if command -v nvidia-smi >/dev/null; then
         nvidia-smi --query-gpu=name,compute_cap,memory.total --format=csv,noheader || true
@@ -75,5 +100,6 @@ device() {
 case "${1:-}" in
     prepare) prepare ;;
     device) shift; device "$@" ;;
-    *) echo "usage: $0 prepare|device" >&2; exit 2 ;;
+    probe) probe ;;
+    *) echo "usage: $0 prepare|device [ARGS]|probe" >&2; exit 2 ;;
 esac
