@@ -66,8 +66,8 @@ ALLOWED_UNMARKED_LAZY: dict[str, int] = {  # module -> unmarked function-level i
 ALLOWED_LAYER_BREAKS: set[str] = {
     # library modules that import a root face (step 8)
     "concerto_jax.gpu_check.check:326", "concerto_jax.gpu_check.check:377",
-    "concerto_jax.gpu_check.check:474", "concerto_jax.gpu_check.check:617",
-    "concerto_jax.gpu_check.check:686", "concerto_jax.gpu_check.check:777",
+    "concerto_jax.gpu_check.check:474", "concerto_jax.gpu_check.check:618",
+    "concerto_jax.gpu_check.check:704", "concerto_jax.gpu_check.check:795",
     "concerto_jax.__main__:40",  # the CLI may use the package face: stays
 }
 ALLOWED_JAX_INTERNALS: set[str] = {  # module -> JAX internal it imports (steps 7-8: through jax_compat)

@@ -196,3 +196,9 @@ def test_runtime_probe_setup_names_what_it_uses():
                        timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert "NameError" not in r.stdout + r.stderr, r.stdout[-500:]
     assert "SETUP FAILED GpuRouteError" in r.stdout, r.stdout[-500:]
+
+
+def test_step_time_verdict_fails_a_slow_route():
+    assert "1.010x" in gpu_check.step_time_verdict({"gpt_f32": 1.01, "gpt_bf16": 0.99})
+    with pytest.raises(AssertionError, match="gpt_f32 1.146x"):
+        gpu_check.step_time_verdict({"gpt_f32": 1.146, "gpt_bf16": 1.0})

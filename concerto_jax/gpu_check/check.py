@@ -607,9 +607,10 @@ def perturbed_order(text: str) -> str:
 
 
 def route_check(name: str, step, case, passes: Sequence[str], seen: list | None = None,
-                backend: str = "gpu") -> str:
+                backend: str = "gpu", ratios: dict | None = None) -> str:
     """Item a for one step: 3 steps of ``optimize`` (the route) bitwise equal to the plain step,
-    no fallback, our order in the loaded executable's module."""
+    no fallback, our order in the loaded executable's module; ``ratios`` (if given) receives
+    ``{name: ours / plain}`` of the interleaved step times."""
     import warnings
 
     import jax
@@ -649,10 +650,27 @@ def route_check(name: str, step, case, passes: Sequence[str], seen: list | None 
     assert kept["kept"] or backend != "gpu", f"the loaded executable does not run our order: {kept}"
     sched = next((p for p in rep.passes if p.name == "schedule"), None)
     med = interleaved_step_us({"plain": step, "ours": opt}, case)
+    if ratios is not None:
+        ratios[name] = med["ours"] / med["plain"]
     return (f"3 steps bitwise; order kept {kept['in_our_order']}/{kept['common']}; schedule changed="
             f"{sched.changed if sched else None}; step us (median of 5x4, interleaved): plain "
             f"{med['plain']:.0f}, ours {med['ours']:.0f} (ours/plain {med['ours'] / med['plain']:.3f}); "
             f"{rep.first_step_check}; stages {json.dumps(rep.stage_seconds)}")
+
+
+STEP_TIME_LIMIT = 1.03
+"""Item a's speed criterion: ``optimize`` on every 1-GPU step within this factor of plain
+``jax.jit``'s step time (none of them has a collective to overlap: the route must cost nothing)."""
+
+
+def step_time_verdict(ratios: dict) -> str:
+    """Pass when every item-a step ran within ``STEP_TIME_LIMIT`` of plain ``jax.jit``."""
+    if not ratios:
+        raise _Skip("no item-a step was timed")
+    words = ", ".join(f"{k} {v:.3f}x" for k, v in sorted(ratios.items()))
+    slow = {k: v for k, v in ratios.items() if v > STEP_TIME_LIMIT}
+    assert not slow, f"slower than plain jax.jit by more than {STEP_TIME_LIMIT:g}x: {words}"
+    return f"ours / plain: {words} (limit {STEP_TIME_LIMIT:g}x)"
 
 
 def interleaved_step_us(fns: dict, case, rounds: int = 5, per: int = 4) -> dict:
@@ -1195,9 +1213,12 @@ def gpu_half(run: Run, prepared: str | None, cases: Sequence, passes: Sequence[s
         route.device_target([device]), config_text="..."))))
     if "a" in items:
         steps, seen = gpt_steps([device])
+        ratios: dict = {}
         for name, (step, case) in steps.items():
             run.check(f"a/{name}", lambda step=step, case=case, name=name: route_check(
-                name, step, case, passes, seen if name.endswith("callback") else None), needs_s=25)
+                name, step, case, passes, seen if name.endswith("callback") else None, ratios=ratios),
+                needs_s=25)
+        run.check("a/step_time", lambda: step_time_verdict(ratios))
         f32_step, f32_case = steps["gpt_f32"]
         run.check("a/perturbed_order", lambda: perturbed_check(f32_step, f32_case), needs_s=25)
     if "b" in items:
