@@ -202,3 +202,7 @@ def test_step_time_verdict_fails_a_slow_route():
     assert "1.010x" in gpu_check.step_time_verdict({"gpt_f32": 1.01, "gpt_bf16": 0.99})
     with pytest.raises(AssertionError, match="gpt_f32 1.146x"):
         gpu_check.step_time_verdict({"gpt_f32": 1.146, "gpt_bf16": 1.0})
+
+
+def test_step_with_xla_defaults_leaves_its_column_empty_when_it_cannot_run():
+    assert gpu_check._step_us_with_xla_defaults("HloModule broken", H100, None, None, 3) is None
