@@ -1,5 +1,6 @@
-"""``python -m bench.gpu.fit_calibration``: the per-class fit recovers known rates, and the
-per-kernel grouping puts matrix work first."""
+"""The GPU results' tools: ``python -m bench.gpu.fit_calibration`` (the per-class fit recovers
+known rates; matrix work groups first) and ``python -m bench.gpu.trace`` (the measured profiles
+as one Perfetto trace)."""
 
 import pytest
 
@@ -28,3 +29,20 @@ def test_kernels_with_matrix_work_are_matmuls_whatever_their_class():
     assert fit.kernel_group({"mm_peak_us": "0.6", "class": "custom_fusion"}) == "matmul"
     assert fit.kernel_group({"mm_peak_us": "0", "class": "reduction_fusion"}) == "reduction_fusion"
     assert fit.kernel_group({"mm_peak_us": "", "class": "copy"}) == "other"
+
+
+def test_measured_profiles_become_one_perfetto_trace(tmp_path):
+    import json
+    import os
+
+    from bench.gpu import trace
+
+    archive = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "gpu",
+                           "h200-2026-11-27-run2", "profile.tar.gz")
+    out = tmp_path / "t.json"
+    assert trace.convert(archive, str(out)) > 1000
+    events = json.loads(out.read_text())["traceEvents"]
+    names = {e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert {"gpt_dp2_tp8_2hosts.stock", "gpt_dp2_tp8_2hosts.ours"} <= names
+    kernels = [e for e in events if e["ph"] == "X"]
+    assert min(e["ts"] for e in kernels) == 0 and all(e["dur"] >= 0 for e in kernels)
