@@ -1117,15 +1117,7 @@ def calibrate_case(prepared_dir: str, case_name: str, out_dir: str, iters: int =
         dummy, make_inputs = _dummy_step(layout, device)
         if jax_compat.entry_layout(jax_compat.xla_executable(dummy)) != layout:
             raise RuntimeError(f"{program}: the stand-in's entry layout is not the default one")
-        loaded = route.load_payload(dummy, payload, env=env)
-        run = jax_compat.swapped_step(dummy, loaded, assemble_outputs=False)
-        inputs = make_inputs()
-        jax.block_until_ready(run(*inputs))
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            jax.block_until_ready(run(*inputs))
-            times.append((time.perf_counter() - t0) * 1e6)
+        run, inputs, step_us = _timed_step(dummy, payload, make_inputs, env, iters)
         profile_dir = os.path.join(out_dir, "profile", f"{case_name}.{program}")
         with jax.profiler.trace(profile_dir):
             for _ in range(3):
@@ -1141,9 +1133,6 @@ def calibrate_case(prepared_dir: str, case_name: str, out_dir: str, iters: int =
             kernels.append({"case": case_name, "program": program, "modules": modules, "instruction": name,
                             "class": cls.get(name, "unmapped"), "predicted_us": round(pred.get(name, float("nan")), 2),
                             "measured_us": round(us, 2), "launches": launches, **work.get(name, {})})
-        import statistics  # lazy: only the GPU half times steps
-
-        step_us = statistics.median(times)
         cmdbuf_us = _step_us_with_xla_defaults(text, target, dummy, make_inputs, iters) if env else None
         steps.append({"case": case_name, "program": program, "modules": modules,
                       "predicted_step_us": round(pred_step, 1),
@@ -1155,26 +1144,32 @@ def calibrate_case(prepared_dir: str, case_name: str, out_dir: str, iters: int =
     return kernels, steps
 
 
-def _step_us_with_xla_defaults(text: str, target, dummy, make_inputs, iters: int) -> float | None:
-    """Median step microseconds of ``text`` compiled with XLA's defaults (command buffers on, as
-    a user runs it), or None where that compile or run fails (logged): the step time the
-    calibration's per-kernel cost outside kernels is meant for."""
+def _timed_step(dummy, payload, make_inputs, env: dict, iters: int) -> tuple:
+    """``payload`` loaded behind ``dummy``'s header and run once, then ``iters`` timed steps:
+    ``(the step, its inputs, median microseconds)``."""
     import statistics  # lazy: only the GPU half times steps
 
     import jax  # lazy: only the GPU half times steps
 
+    loaded = route.load_payload(dummy, payload, env=env)
+    run = jax_compat.swapped_step(dummy, loaded, assemble_outputs=False)
+    inputs = make_inputs()
+    jax.block_until_ready(run(*inputs))
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(*inputs))
+        times.append((time.perf_counter() - t0) * 1e6)
+    return run, inputs, statistics.median(times)
+
+
+def _step_us_with_xla_defaults(text: str, target, dummy, make_inputs, iters: int) -> float | None:
+    """Median step microseconds of ``text`` compiled with XLA's defaults (command buffers on, as
+    a user runs it), or None where that compile or run fails (logged): the step time the
+    calibration's per-kernel cost outside kernels is meant for."""
     try:
         payload = route.compile_payload(text, target, 1, replicated=False, env={})
-        loaded = route.load_payload(dummy, payload, env={})
-        run = jax_compat.swapped_step(dummy, loaded, assemble_outputs=False)
-        inputs = make_inputs()
-        jax.block_until_ready(run(*inputs))
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            jax.block_until_ready(run(*inputs))
-            times.append((time.perf_counter() - t0) * 1e6)
-        return statistics.median(times)
+        return _timed_step(dummy, payload, make_inputs, {}, iters)[2]
     except Exception as e:  # noqa: BLE001 - the column stays empty; the rest of the case stands
         log.warning("step with XLA's defaults not timed: %s: %s", type(e).__name__, str(e)[:200])
         return None
