@@ -401,24 +401,33 @@ def test_first_step_check_catches_a_difference_and_falls_back(monkeypatch):
     assert not np.array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
 
+def _our_executable_fails(monkeypatch, step) -> list:
+    """Every build of ``optimize`` hands back an executable that raises at launch; the returned
+    list grows by one per launch."""
+    cls = type(concerto_jax.optimize(step))
+    real = cls._build
+    calls: list = []
+
+    def build(self, *a, **k):
+        entry = real(self, *a, **k)
+        if entry.runner is not None:
+            def fails(*args, **kwargs):
+                calls.append(1)
+                raise RuntimeError("UNIMPLEMENTED: simulated failure of our executable")
+            entry.runner = fails
+        return entry
+
+    monkeypatch.setattr(cls, "_build", build)
+    return calls
+
+
 def test_an_optimised_step_that_fails_to_run_falls_back(monkeypatch):
     # XLA:CPU compiled our module but refused to run it (a Hugging Face bf16 step with decompose:
     # "Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32"): the first-step check
     # returns the original's outputs and falls back, never the error
     mesh = _mesh()
     step, make_args = _mlp_step(mesh)
-    cls = type(concerto_jax.optimize(step))
-    real = cls._build
-
-    def build(self, *a, **k):
-        entry = real(self, *a, **k)
-        if entry.runner is not None:
-            def fails(*args, **kwargs):
-                raise RuntimeError("UNIMPLEMENTED: simulated failure of our executable")
-            entry.runner = fails
-        return entry
-
-    monkeypatch.setattr(cls, "_build", build)
+    _our_executable_fails(monkeypatch, step)
     opt = concerto_jax.optimize(step, concerto_jax.Options(always_recompile=True, check_first_step=True))
     with pytest.warns(concerto_jax.ConcertoFallbackWarning, match="failed to run .*simulated failure"):
         got = opt(*make_args())
@@ -487,20 +496,7 @@ def test_an_unchecked_step_that_fails_to_run_falls_back(monkeypatch):
     # the original runs instead, with one warning, and from then on
     mesh = _mesh()
     step, make_args = _mlp_step(mesh)
-    cls = type(concerto_jax.optimize(step))
-    real = cls._build
-    calls = []
-
-    def build(self, *a, **k):
-        entry = real(self, *a, **k)
-        if entry.runner is not None:
-            def fails(*args, **kwargs):
-                calls.append(1)
-                raise RuntimeError("UNIMPLEMENTED: simulated failure of our executable")
-            entry.runner = fails
-        return entry
-
-    monkeypatch.setattr(cls, "_build", build)
+    calls = _our_executable_fails(monkeypatch, step)
     opt = concerto_jax.optimize(step, concerto_jax.Options(always_recompile=True, check_first_step=False))
     with pytest.warns(concerto_jax.ConcertoFallbackWarning, match="failed to run .*simulated failure"):
         got = opt(*make_args())
