@@ -37,6 +37,8 @@ COLUMNS = ("case", "cluster",
            "critical", "collectives", "candidates", "decomposed", "verdicts", "judge_costs",
            # XLA's final module (compile_for_target), simulated
            "stock_us", "s_us", "sad_us", "s_gain", "sad_gain",
+           # decompose alone through XLA's own pipeline and scheduler (bench.rewrite_column)
+           "rewrite_xla_us", "rewrite_xla_gain", "rewrite_xla_split",
            # S+AD against stock over the plausible cost models, and the kernels and bytes S+AD
            # adds (bench.robust_columns; nominal_gain = sad_gain)
            "worst_gain", "worst_variant", "adverse_gain", "stock_kernels", "ours_kernels", "added_kernels",
@@ -292,6 +294,10 @@ def run_case(case, final_module: bool = True, split_copies: str = "estimate",
 
     robust = robust_columns.columns(results["sad"].stock_final_text, results["sad"].final_text, case.cluster)
     row.update({k: v for k, v in robust.items() if k != "nominal_gain"})
+    from bench import rewrite_column
+
+    row.update(rewrite_column.columns(c.step, (c.abstract_state, c.abstract_batch), case.cluster, stock,
+                                      concerto_jax.Options(compiler_options=xla, decompose=dopts, **tkw)))
     recs = {p.name: p.stats for p in results["sad"].passes}
     chosen = (recs.get("combine_thresholds") or {}).get("chosen")
     row["sad_thresholds"] = "" if chosen is None else format_thresholds(chosen)
@@ -398,6 +404,12 @@ def run(cases, out_dir: str = "bench/results", prefix: str = "decompose",
             lines.append(f"Final module, worst case over the plausible cost models: geomean {g:.4f} over "
                          f"{n} cases, lowest {min(worst):.4f}. S+AD against stock; "
                          + robust_columns.legend())
+        g, n = geomean("rewrite_xla_gain")
+        if n:
+            from bench import rewrite_column
+
+            lines.append(f"Final module: geomean of decompose alone through XLA's own scheduler over stock "
+                         f"{g:.4f} over {n} cases. " + rewrite_column.legend())
         same = [r["sad_gain_same_thresholds"] if isinstance(r.get("sad_gain_same_thresholds"), float)
                 else r.get("sad_gain") for r in rows]
         same = [x for x in same if isinstance(x, float)]

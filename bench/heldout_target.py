@@ -44,6 +44,8 @@ LAYOUTS: dict[str, tuple[str, tuple[int, int], int, bool]] = {
 }
 
 COLUMNS = ("layout", "cluster", "mesh", "scanned", "status", "stock_us", "ours_us", "gain",
+           # bench.rewrite_column: decompose alone through XLA's own pipeline and scheduler
+           "rewrite_xla_us", "rewrite_xla_gain", "rewrite_xla_split",
            # bench.robust_columns: the gain's worst case over the plausible cost models, and the
            # kernels and bytes our program adds
            "worst_gain", "worst_variant", "adverse_gain", "stock_kernels", "ours_kernels", "added_kernels",
@@ -164,13 +166,14 @@ def build(layout: str, layers: int):
     return step, params, opt_state, data, cluster
 
 
-def compile_layout(layout: str, layers: int, robust: bool = True):
+def compile_layout(layout: str, layers: int, robust: bool = True, built=None):
     """``(TargetResult, cluster)``: one layout through ``compile_for_target`` at the defaults
     (``passes=("decompose", "schedule")``, nothing else set; ``robust=False``: with
-    ``Options.robust=()``, the nominal model alone deciding)."""
+    ``Options.robust=()``, the nominal model alone deciding). ``built``: ``build``'s result,
+    when the caller has it."""
     import concerto_jax
 
-    step, params, opt_state, data, cluster = build(layout, layers)
+    step, params, opt_state, data, cluster = built or build(layout, layers)
     extra = {} if robust else {"robust": ()}
     res = concerto_jax.compile_for_target(step, params, opt_state, data, target=cluster,
                                           options=concerto_jax.Options(passes=("decompose", "schedule"),
@@ -178,17 +181,21 @@ def compile_layout(layout: str, layers: int, robust: bool = True):
     return res, cluster
 
 
-def run_layout(layout: str, layers: int, robust: bool = True) -> dict:
-    """One layout through ``compile_for_target`` at the defaults; a row of ``COLUMNS``."""
-    from bench import robust_columns
+def run_layout(layout: str, layers: int, robust: bool = True, rewrite_column: bool = True) -> dict:
+    """One layout through ``compile_for_target`` at the defaults; a row of ``COLUMNS``
+    (``rewrite_column``: also decompose alone through XLA's scheduler, ``bench.rewrite_column``)."""
+    from bench import rewrite_column, robust_columns
     from concerto_jax.costmodel import CostModel, get_cluster
     from concerto_jax.judge import judge_module
 
     t0 = time.perf_counter()
-    res, cluster = compile_layout(layout, layers, robust)
+    built = build(layout, layers)
+    res, cluster = compile_layout(layout, layers, robust, built)
     columns = robust_columns.columns(res.stock_final_text, res.final_text, cluster)
     cm = CostModel(get_cluster(cluster))
     stock, ours = judge_module(res.stock_final_text, cm), judge_module(res.final_text, cm)
+    if rewrite_column:
+        columns.update(rewrite_column.columns(built[0], built[1:4], cluster, stock.us))
     dec = next((p for p in res.passes if p.name == "decompose"), None)
     _, mesh, _, scanned = LAYOUTS[layout]
     return {
@@ -212,7 +219,7 @@ def run_layout(layout: str, layers: int, robust: bool = True) -> dict:
 
 
 def write(rows: list[dict], out: str, command: str, elapsed: float) -> None:
-    from bench import robust_columns
+    from bench import rewrite_column, robust_columns
 
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "heldout_target.csv"), "w", newline="") as f:
@@ -234,6 +241,11 @@ def write(rows: list[dict], out: str, command: str, elapsed: float) -> None:
         lines.append(f"Worst case over the plausible cost models (costmodel.envelope.ENVELOPE): geomean "
                      f"{math.exp(sum(map(math.log, worst)) / len(worst)):.4f}, lowest {min(worst):.4f}. "
                      + robust_columns.legend())
+    rewrite = [r["rewrite_xla_gain"] for r in rows if isinstance(r.get("rewrite_xla_gain"), float)]
+    if rewrite:
+        lines.append(f"Decompose alone through XLA's own scheduler: geomean "
+                     f"{math.exp(sum(map(math.log, rewrite)) / len(rewrite)):.4f} over {len(rewrite)} layouts, "
+                     f"lowest {min(rewrite):.4f}. " + rewrite_column.legend())
     with open(os.path.join(out, "heldout_target.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -261,12 +273,15 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--no-robust", dest="robust", action="store_false",
                         help="Options.robust=(): the nominal cost model alone decides (ablation)")
+    parser.add_argument("--no-rewrite-column", dest="rewrite_column", action="store_false",
+                        help="skip decompose alone through XLA's own scheduler (one more search and "
+                             "compile per layout)")
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # deviceless GPU compiles: JAX itself on CPU
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     command = "python -m bench.heldout_target " + " ".join(argv if argv is not None else sys.argv[1:])
-    rows = run_layouts(args.layout or LAYOUTS, lambda layout: run_layout(layout, args.layers, args.robust),
+    rows = run_layouts(args.layout or LAYOUTS, lambda layout: run_layout(layout, args.layers, args.robust, args.rewrite_column),
                        lambda rows, elapsed: write(rows, args.out, command.strip(), elapsed), "heldout")
     with open(os.path.join(args.out, "heldout_target.md")) as f:
         sys.stdout.write(f.read())

@@ -271,3 +271,18 @@ def test_bench_columns_count_kernels_and_bytes_per_step_by_trips():
     assert row["nominal_gain"] == row["worst_gain"] == row["adverse_gain"] == 1.0
     assert row["added_kernels"] == 0 and row["added_mb"] == 0.0
     assert row["stock_kernels"] == row["ours_kernels"] == kernels_and_bytes(text)[0] > 0
+
+
+@needs_plugin
+def test_bench_rewrite_column_is_decompose_alone_through_xla_scheduler():
+    """``bench.rewrite_column``: the split program through XLA's own pipeline (no pin, no order of
+    ours), reported as XLA made it; its gain is against the stock figure the row gives."""
+    from bench.rewrite_column import COLUMNS, columns
+
+    step, args = _tp_mlp(layers=1)
+    row = columns(step, args, "h100_sxm_8", 1000.0,
+                  concerto_jax.Options(fallback=False, combine_thresholds=(), cache_dir=None))
+    assert set(row) == set(COLUMNS)
+    assert row["rewrite_xla_split"].startswith("main") and "N=" in row["rewrite_xla_split"], row
+    assert row["rewrite_xla_us"] > 0
+    assert row["rewrite_xla_gain"] == pytest.approx(1000.0 / row["rewrite_xla_us"], abs=2e-4)
