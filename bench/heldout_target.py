@@ -45,7 +45,7 @@ LAYOUTS: dict[str, tuple[str, tuple[int, int], int, bool]] = {
 
 COLUMNS = ("layout", "cluster", "mesh", "scanned", "status", "stock_us", "ours_us", "gain",
            # bench.rewrite_column: decompose alone through XLA's own pipeline and scheduler
-           "rewrite_xla_us", "rewrite_xla_gain", "rewrite_xla_split",
+           "rewrite_xla_us", "rewrite_xla_gain", "rewrite_xla_worst_gain", "rewrite_xla_split",
            # bench.robust_columns: the gain's worst case over the plausible cost models, and the
            # kernels and bytes our program adds
            "worst_gain", "worst_variant", "adverse_gain", "stock_kernels", "ours_kernels", "added_kernels",
