@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     dc = sub.add_parser("decompose-calibrate",
                         help="measure the decomposition's chunk overhead and overlap slowdown (CPU)")
     dc.add_argument("--repeats", type=int, default=15)
-    dc.add_argument("--out", default="concerto_jax/decompose/calibration.json")
+    dc.add_argument("--out", default="hlo_passes/decompose/calibration.json")
     dc.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     if args.command == "concerto":

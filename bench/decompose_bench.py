@@ -38,7 +38,7 @@ COLUMNS = ("case", "cluster",
            # XLA's final module (compile_for_target), simulated
            "stock_us", "s_us", "sad_us", "s_gain", "sad_gain",
            # decompose alone through XLA's own pipeline and scheduler (bench.rewrite_column)
-           "rewrite_xla_us", "rewrite_xla_gain", "rewrite_xla_split",
+           "rewrite_xla_us", "rewrite_xla_gain", "rewrite_xla_worst_gain", "rewrite_xla_split",
            # S+AD against stock over the plausible cost models, and the kernels and bytes S+AD
            # adds (bench.robust_columns; nominal_gain = sad_gain)
            "worst_gain", "worst_variant", "adverse_gain", "stock_kernels", "ours_kernels", "added_kernels",
@@ -256,7 +256,7 @@ def run_case(case, final_module: bool = True, split_copies: str = "estimate",
     """
     import concerto_jax
     from concerto_jax.costmodel import CostModel, get_cluster
-    from concerto_jax.decompose.options import DecomposeOptions
+    from hlo_passes.decompose.options import DecomposeOptions
 
     dopts = DecomposeOptions(split_copies=split_copies, region_degree=region_degree)
 
@@ -265,8 +265,8 @@ def run_case(case, final_module: bool = True, split_copies: str = "estimate",
     row = {"case": case.name, "cluster": case.cluster}
     if not final_module:
         from concerto_jax.deviceless.compile import CompileOptions, compile_lowered
-        from concerto_jax.passes.decompose_pass import decompose_pass
         from hlo_passes import parse_module
+        from hlo_passes.decompose.run import decompose_pass
 
         lowered = c.step.trace(c.abstract_state, c.abstract_batch).lower()
         stock = compile_lowered(lowered, cluster, CompileOptions(dump_lhs=False, dump_spmd=True,

@@ -9,8 +9,8 @@ from typing import Any
 
 from concerto_jax.costmodel.cluster import CLUSTERS
 from concerto_jax.costmodel.envelope import ENVELOPE, Variant
-from concerto_jax.decompose.options import DecomposeOptions
 from concerto_jax.scheduler import ScheduleOptions
+from hlo_passes.decompose.options import DecomposeOptions
 from hlo_passes.registry import pass_names
 
 

@@ -16,9 +16,12 @@ Layout::
                        the task graph; rewrite.py: variadic collectives in the HLO)
     pipeline_loops/    pass "pipeline_loops" (run.py; decide.py; prefetch.py, rotation.py: the
                        rewrites; loop_state.py: what both share)
-    decompose_rewrite.py
-                       the rewrite of "decompose" (its decisions: concerto_jax.passes,
-                       concerto_jax.decompose)
+    decompose/         pass "decompose" (run.py: decompose_pass; critical.py, rules.py,
+                       context.py, region.py, cost.py, choose.py, search.py: the decisions;
+                       rewrite.py: the split; options.py: DecomposeOptions)
+    replicated_reductions/
+                       the collectives of replicated operands that decompose shrinks
+                       (decide.py: where it pays; rewrite.py: the rewrite)
 
 Pipeline position::
 

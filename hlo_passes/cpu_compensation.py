@@ -97,7 +97,7 @@ def cpu_widen_mixed_dots(module: HloModule) -> int:
     """Converts the half-precision operands of every ``f32 dot(bf16, bf16)`` to f32.
 
     A dot whose half-precision operands accumulate into an f32 result (decompose's partial
-    chunks of a bf16 GEMM: ``hlo_passes.decompose_rewrite._partial_shape``) is what a GPU GEMM
+    chunks of a bf16 GEMM: ``hlo_passes.decompose.rewrite._partial_shape``) is what a GPU GEMM
     computes, but XLA:CPU's runtime refuses some of them (a batched dot whose batch dims are
     not leading: "Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32"; JAX's
     own executable fails on such a dot too, so an original step never holds one). Widening a

@@ -49,7 +49,7 @@ PassFn = Callable[..., PassOutcome]
 
 PASS_TABLE: dict[str, PassSpec] = {
     "pipeline_loops": PassSpec("hlo_passes.pipeline_loops.run:pipeline_loops_pass"),  # before schedule
-    "decompose": PassSpec("concerto_jax.passes.decompose_pass:decompose_pass"),
+    "decompose": PassSpec("hlo_passes.decompose.run:decompose_pass"),
     "schedule": PassSpec("hlo_passes.schedule.run:schedule_pass"),
     "fuse_collectives": PassSpec("hlo_passes.fuse_collectives.run:fuse_pass"),
     "pin": PassSpec("hlo_passes.pin.run:pin_pass"),

@@ -45,7 +45,6 @@ ALLOWED_CYCLES: set[frozenset[str]] = {
                "concerto_jax.deviceless"}),                                 # step 8 (folders)
 }
 ALLOWED_PRIVATE: set[str] = {
-    "concerto_jax.decompose.region concerto_jax.decompose.context._joinable",   # step 6a
     "concerto_jax.deviceless.program concerto_jax.deviceless.compile._read_dump",   # step 8
     "concerto_jax.gpu_route.route concerto_jax.deviceless.program._devices_of",    # step 8
     "concerto_jax.gpu_route.route concerto_jax.deviceless.program._with_fused_reference",  # step 9
@@ -54,10 +53,8 @@ ALLOWED_UNMARKED_LAZY: dict[str, int] = {  # module -> unmarked function-level i
     "concerto_jax.__main__": 5, "concerto_jax.api": 2, "concerto_jax.autoccl.collectives": 1,
     "concerto_jax.autoccl.coordination": 1, "concerto_jax.autoccl.dp_job": 12,
     "concerto_jax.autoccl.gpu_step": 4,
-    "concerto_jax.decompose.cost": 1, "concerto_jax.decompose.region": 3,
     "concerto_jax.gpu_check.check": 58, "concerto_jax.gpu_route.route": 25, "concerto_jax.jax_compat": 16,
     "concerto_jax.launch": 1, "concerto_jax.multiprocess": 2,
-    "concerto_jax.passes.decompose_pass": 7,
     "concerto_jax.scheduler.rcpsp": 1, "concerto_jax.simulator.trace": 2,
     "concerto_jax.deviceless.cuda_plugin": 4,
     "concerto_jax.deviceless.pjrt_c": 4, "concerto_jax.deviceless.program": 29,

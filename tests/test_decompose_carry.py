@@ -19,9 +19,9 @@ import concerto_jax
 import hlo_passes
 import models
 from concerto_jax.costmodel import CostModel, get_cluster
-from concerto_jax.decompose import DecomposeOptions
-from concerto_jax.decompose.region import build_region, grow_through_carries, score_region
-from hlo_passes.decompose_rewrite import (
+from hlo_passes.decompose import DecomposeOptions
+from hlo_passes.decompose.region import build_region, grow_through_carries, score_region
+from hlo_passes.decompose.rewrite import (
     barrier_state_reads,
     carried_splits,
     release_barrier_state_reads,

@@ -12,10 +12,10 @@ import concerto_jax
 from concerto_jax import scheduler
 from concerto_jax.costmodel import CostModel, collective_cost, get_cluster, op_info
 from concerto_jax.costmodel.fused import fused_costs
-from concerto_jax.decompose.cost import Calibration
-from concerto_jax.decompose.options import DecomposeOptions
-from concerto_jax.decompose.search import _copy, apply, find_candidates, trial_durations
-from concerto_jax.passes.decompose_pass import decompose_pass
+from hlo_passes.decompose.cost import Calibration
+from hlo_passes.decompose.options import DecomposeOptions
+from hlo_passes.decompose.run import decompose_pass
+from hlo_passes.decompose.search import _copy, apply, find_candidates, trial_durations
 from hlo_passes.ir.parser import parse_module
 
 CHAIN = ("exponential", "tanh", "negate", "exponential", "tanh", "negate", "exponential", "tanh")

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import concerto_jax
 import concerto_jax.scheduler
-from concerto_jax.decompose import DecomposeOptions
+from hlo_passes.decompose import DecomposeOptions
 from tests._helpers import FULL_SWEEP
 
 D, F, H, T, B, L = 64, 64, 8, 16, 8, 2

@@ -13,10 +13,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import hlo_passes
-from concerto_jax.decompose import Candidate, axis_map, build_context, choose, find_critical
-from concerto_jax.decompose.options import DecomposeOptions
 from concerto_jax.taskgraph import CollectiveInfo, Task, TaskGraph, TaskKind
-from hlo_passes.decompose_rewrite import split_instructions
+from hlo_passes.decompose import Candidate, axis_map, build_context, choose, find_critical
+from hlo_passes.decompose.options import DecomposeOptions
+from hlo_passes.decompose.rewrite import split_instructions
 from hlo_passes.ir.errors import HloError
 from tests.test_decompose_rules import CASES, _module
 
@@ -83,7 +83,7 @@ def test_rewrite_rejects_a_degree_that_does_not_divide():
 
 def test_fallback_warns_once_and_leaves_the_module(monkeypatch):
     from concerto_jax import Options
-    from concerto_jax.passes import decompose_pass as dp
+    from hlo_passes.decompose import run as dp
 
     params, body, out, _ = CASES["all_reduce_matmul"]
     text = _module(params, body, out).replace("replica_count=8", "num_partitions=8")
@@ -107,7 +107,7 @@ def test_joint_revision_drops_a_split_the_simulated_schedule_rejects(tmp_path):
     rewritten module does not; the joint stage must keep the faster (unsplit) program."""
     from concerto_jax import Options
     from concerto_jax.capture import capture
-    from concerto_jax.passes.decompose_pass import decompose_pass
+    from hlo_passes.decompose.run import decompose_pass
 
     mesh = jax.make_mesh((8,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
     rep, col, row = (NamedSharding(mesh, s) for s in (P(), P(None, "tp"), P("tp", None)))
@@ -168,8 +168,8 @@ def _chain_module(independent: bool) -> str:
 
 def _found(text: str, criticality: str):
     from concerto_jax.costmodel import CostModel, get_cluster
-    from concerto_jax.decompose.cost import Calibration
-    from concerto_jax.decompose.search import find_candidates
+    from hlo_passes.decompose.cost import Calibration
+    from hlo_passes.decompose.search import find_candidates
 
     cm = CostModel(get_cluster("h100_sxm_8"))
     cal = Calibration(1.2, 0.0, "test")
@@ -207,7 +207,7 @@ def test_both_rules_agree_where_nothing_can_hide():
 
 
 def test_threshold_of_the_critical_test():
-    from concerto_jax.decompose.critical import exposed_by_schedule
+    from hlo_passes.decompose.critical import exposed_by_schedule
 
     g = _graph(0.0)
     stalls = {1: 0.9}  # below 1 µs: the schedule decides, not the sum rule's 25 µs
@@ -241,7 +241,7 @@ def test_pass_declares_its_tolerance(case, declared):
     """A split context with a dot declares split_tolerance to the first-step check (XLA:CPU may
     block the chunk's GEMM differently); one without keeps bitwise (0)."""
     from concerto_jax import Options
-    from concerto_jax.passes.decompose_pass import decompose_pass
+    from hlo_passes.decompose.run import decompose_pass
 
     params, body, out, _ = CASES[case]
     module = hlo_passes.parse_module(_module(params, body, out).replace("replica_count=8",

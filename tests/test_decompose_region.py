@@ -18,11 +18,11 @@ import pytest
 import concerto_jax
 import concerto_jax.scheduler
 import hlo_passes
-from concerto_jax.decompose import DecomposeOptions
-from concerto_jax.decompose.region import build_region
 from concerto_jax.deviceless import gpu_plugin_available
 from concerto_jax.deviceless.program import compile_replicated_for_target
-from hlo_passes.decompose_rewrite import split_instructions
+from hlo_passes.decompose import DecomposeOptions
+from hlo_passes.decompose.region import build_region
+from hlo_passes.decompose.rewrite import split_instructions
 from hlo_passes.ir import max_channel_id
 from tests.test_decompose_heldout import optimised_three_steps
 from tests.test_decompose_rules import N_DEV, _inputs, _module, _run
@@ -434,7 +434,7 @@ def test_region_pulls_in_a_late_batch_input():
     sliced; the chunks still compute the same loss and weight gradient."""
     import jax
 
-    from concerto_jax.decompose.region import pull_in_inputs
+    from hlo_passes.decompose.region import pull_in_inputs
 
     module = hlo_passes.parse_module(_ONE_HOT)
     region = build_region(module.entry.instruction("ar"), 0)
@@ -571,7 +571,7 @@ def test_region_score_counts_an_all_reduce_xla_makes_a_reduce_scatter_as_one():
     their concatenation) pays the difference; along the other dimension the slice joins
     the region and each chunk is a reduce-scatter again."""
     from concerto_jax.costmodel import CostModel, get_cluster
-    from concerto_jax.decompose.region import reduce_scatter_slice, score_region
+    from hlo_passes.decompose.region import reduce_scatter_slice, score_region
 
     module = hlo_passes.parse_module(_SCATTERED)
     ar = module.entry.instruction("ar")
@@ -655,7 +655,7 @@ def test_partial_reduces_keep_the_split_axis_per_chunk(keep_axis):
 
 
 def test_kept_axis_rule_only_where_a_chunk_falls_under_xlas_tree_bound():
-    from hlo_passes.decompose_rewrite import XLA_COLUMN_TREE_BOUND, SplitPlan, _kept_axis
+    from hlo_passes.decompose.rewrite import XLA_COLUMN_TREE_BOUND, SplitPlan, _kept_axis
 
     text = """HloModule m
 

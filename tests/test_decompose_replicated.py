@@ -1,4 +1,4 @@
-"""All-reduces of replicated operands (``concerto_jax.decompose.replicated``): the uniformity
+"""All-reduces of replicated operands (``hlo_passes.replicated_reductions.decide``): the uniformity
 analysis (``hlo_passes.ir.uniformity``) on hand-written modules, and a DP x TP train step whose
 replicated embedding table's gradient is reduced as slices + all-gather, bitwise equal to
 plain jit."""
@@ -16,9 +16,13 @@ import concerto_jax
 import hlo_passes
 from concerto_jax.capture import capture
 from concerto_jax.costmodel import CostModel, get_cluster
-from concerto_jax.decompose import DecomposeOptions
-from concerto_jax.decompose.replicated import aligned, complement_groups, plan_replicated_reductions
+from hlo_passes.decompose import DecomposeOptions
 from hlo_passes.ir import Uniformity, labels_of_groups, sharding_tile_keys
+from hlo_passes.replicated_reductions.decide import (
+    aligned,
+    complement_groups,
+    plan_replicated_reductions,
+)
 from tests._helpers import assert_tree_bitwise
 
 TP = [[0, 1, 2, 3], [4, 5, 6, 7]]  # the "model" groups of a (2, 4) mesh

@@ -3,7 +3,7 @@
 Each case is a small per-device HLO module run as 8 replicas on the CPU (the
 collective cases really communicate). For every axis the seed op's rule lets
 split, the context is grown by ``build_context`` (both directions), the
-module is chunked by ``hlo_passes.decompose_rewrite`` into N = 2 and 4 pieces,
+module is chunked by ``hlo_passes.decompose.rewrite`` into N = 2 and 4 pieces,
 verified, accepted by XLA's parser, and run on the same inputs; outputs must
 be bitwise equal except where stated (see ``_TOLERANT``).
 """
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import hlo_passes
-from concerto_jax.decompose import axis_map, build_context
 from concerto_jax.executor import compile_replicated
-from hlo_passes.decompose_rewrite import split_instructions
+from hlo_passes.decompose import axis_map, build_context
+from hlo_passes.decompose.rewrite import split_instructions
 from hlo_passes.ir import max_channel_id
 
 N_DEV = 8

@@ -237,8 +237,8 @@ def test_dot_matched_to_a_cublas_custom_call_by_op_name(cm):
 def test_decompose_judges_the_tiny_mlp_with_fused_costs(mlp_compile):
     """The decompose pass given XLA's module of the step: its judge's compute is XLA's kernel time."""
     import concerto_jax
-    from concerto_jax.decompose.options import DecomposeOptions
-    from concerto_jax.passes.decompose_pass import decompose_pass
+    from hlo_passes.decompose.options import DecomposeOptions
+    from hlo_passes.decompose.run import decompose_pass
 
     pre_text, xla_text = mlp_compile
     stats = {}

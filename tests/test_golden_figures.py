@@ -76,8 +76,8 @@ def _plain(value):
 
 def _options(passes=()):
     from concerto_jax import Options
-    from concerto_jax.decompose.options import DecomposeOptions
     from concerto_jax.scheduler import ScheduleOptions
+    from hlo_passes.decompose.options import DecomposeOptions
 
     return Options(passes=tuple(passes), target=TARGET, validate_with_xla=False, time_budget_s=None,
                    scheduler=ScheduleOptions(full_model_max_tasks=0, odd_even=None, progress=False),

@@ -14,8 +14,8 @@ from jax.sharding import PartitionSpec as P
 import concerto_jax
 import hlo_passes
 from concerto_jax.capture import capture
-from concerto_jax.decompose.options import DecomposeOptions
 from concerto_jax.options import Options
+from hlo_passes.decompose.options import DecomposeOptions
 from hlo_passes.ir.loops import analyze_while
 from hlo_passes.pipeline_loops import rotate_loop, rotation_candidates, rotation_of
 from hlo_passes.registry import PASSES, PassOutcome

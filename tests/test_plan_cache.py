@@ -149,8 +149,8 @@ def test_a_pass_registered_at_run_time_turns_the_cache_off(tmp_path, monkeypatch
 # -- the key ---------------------------------------------------------------------------------------
 
 def test_the_key_follows_each_of_its_parts(tmp_path, monkeypatch, fresh_code_part):
-    from concerto_jax.decompose.options import DecomposeOptions
     from concerto_jax.scheduler import ScheduleOptions
+    from hlo_passes.decompose.options import DecomposeOptions
 
     step, operands = make_step()
 

@@ -34,7 +34,7 @@ def main() -> int:
     ap.add_argument("--per", type=int, default=10)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("absl", "jax._src", "concerto_jax.scheduler", "concerto_jax.passes", "concerto_jax.costmodel",
+    for noisy in ("absl", "jax._src", "concerto_jax.scheduler", "concerto_jax.costmodel",
                   "concerto_jax.gpu_route", "hlo_passes", "concerto_jax.deviceless"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     import jax

@@ -31,6 +31,7 @@ import os
 
 from concerto_jax.costmodel.compute import ArrayInfo
 from concerto_jax.costmodel.hlo_ops import op_info
+from concerto_jax.simulator import DEFAULT_OVERLAP_SLOWDOWN
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,6 @@ class Calibration:
         """The measured calibration, or the simulator's configured slowdown and no extra
         overhead (with ``source="default"``) when ``path`` does not exist."""
         if not os.path.exists(path):
-            from concerto_jax.simulator import DEFAULT_OVERLAP_SLOWDOWN
             return cls(DEFAULT_OVERLAP_SLOWDOWN, 0.0, "default")
         with open(path) as f:
             data = json.load(f)

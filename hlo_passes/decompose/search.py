@@ -33,16 +33,16 @@ import types
 from concerto_jax import scheduler
 from concerto_jax.costmodel.fused import FusedCosts
 from concerto_jax.costmodel.hlo_ops import op_info
-from concerto_jax.decompose import rules
-from concerto_jax.decompose.choose import Candidate
-from concerto_jax.decompose.context import build_context
-from concerto_jax.decompose.cost import Calibration, strategy_cost
-from concerto_jax.decompose.critical import exposed_by_schedule, find_critical
-from concerto_jax.decompose.options import DecomposeOptions
 from concerto_jax.hlo_taskgraph import build_taskgraph
 from concerto_jax.judge import judge_graph
 from concerto_jax.simulator import SimOptions
-from hlo_passes.decompose_rewrite import split_instructions
+from hlo_passes.decompose import rules
+from hlo_passes.decompose.choose import Candidate
+from hlo_passes.decompose.context import build_context
+from hlo_passes.decompose.cost import Calibration, strategy_cost
+from hlo_passes.decompose.critical import exposed_by_schedule, find_critical
+from hlo_passes.decompose.options import DecomposeOptions
+from hlo_passes.decompose.rewrite import split_instructions
 from hlo_passes.ir import channel_counter, device_groups, module_to_text, parse_module
 
 log = logging.getLogger(__name__)

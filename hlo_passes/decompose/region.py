@@ -20,7 +20,7 @@ sequence axis) is the largest set of instructions that split with it:
    its slice and the chunks are summed (combined by the reducer). Anything
    else stays outside and reads a concatenation of the chunks.
 
-The rewrite (``hlo_passes.decompose_rewrite.split_instructions``) then makes
+The rewrite (``hlo_passes.decompose.rewrite.split_instructions``) then makes
 ``N`` copies of the region: ``N`` micro-batches of the whole step that share
 the weights (each chunk reads them through its own ``opt-barrier`` chain so
 that XLA cannot fuse the chunks back together), with the weight gradients
@@ -38,9 +38,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from concerto_jax.decompose import rules
-from concerto_jax.decompose.context import _joinable
-from hlo_passes.decompose_rewrite import SplitPlan, plans_divisible_by
+from hlo_passes.decompose import rules
+from hlo_passes.decompose.context import joinable
+from hlo_passes.decompose.cost import payload_bytes
+from hlo_passes.decompose.rewrite import SplitPlan, plans_divisible_by
+from hlo_passes.ir import attributes as _attrs
+from hlo_passes.ir import device_groups
 
 _PARTIAL_REDUCERS = {"add": "add", "maximum": "maximum", "minimum": "minimum"}
 
@@ -113,9 +116,6 @@ def score_region(region: Region, n: int, cost_model, num_devices: int,
     ``loop_body``: the region's computation is a while body (a value it returns is read
     by the next iteration).
     """
-    from concerto_jax.decompose.cost import payload_bytes
-    from hlo_passes.ir import device_groups
-
     bw = cost_model.gpu.hbm_bytes_per_s / 1e6  # bytes per µs
     waited = _gemm_waits_for(region.collective.parent, loop_body)
     comm = lost = 0.0
@@ -224,7 +224,7 @@ def _sources(coll, axis: int, comp) -> list[tuple[object, int]]:
         if (id(inst), dim) in seen:
             continue
         seen.add((id(inst), dim))
-        m = rules.axis_map(inst) if _joinable(inst, comp) else {}
+        m = rules.axis_map(inst) if joinable(inst, comp) else {}
         if dim not in m or (inst.opcode in ("broadcast", "iota") and all(d is None for d in m[dim])):
             if inst.opcode not in ("broadcast", "iota", "constant"):
                 out.append((inst, dim))
@@ -244,8 +244,6 @@ def _partial_plan(inst, avail: dict) -> SplitPlan | None:
     """The plan of ``inst`` as a partial member, or None (see the module docstring)."""
     split = {i: avail[op] for i, op in enumerate(inst.operands) if op in avail}
     if inst.opcode == "dot":
-        from hlo_passes.ir import attributes as _attrs
-
         lc = _attrs.parse_int_list(inst.attr("lhs_contracting_dims", "{}"))
         rc = _attrs.parse_int_list(inst.attr("rhs_contracting_dims", "{}"))
         if len(inst.operands) != 2 or not lc:
@@ -302,7 +300,7 @@ def _propagate(coll, axis: int, comp, sources) -> Region:
         avail[src] = d
     source_set = {id(s) for s, _ in region.sources}
     for inst in comp.post_order():
-        if id(inst) in source_set or not _joinable(inst, comp):
+        if id(inst) in source_set or not joinable(inst, comp):
             continue
         split_ops = [(i, avail[op]) for i, op in enumerate(inst.operands) if op in avail]
         if not split_ops:
@@ -341,7 +339,7 @@ def pull_in_inputs(region: Region, comp, rounds: int = 1) -> Region:
     docs/DECISIONS.md D25).
     """
     def walk(current: Region, op, d):
-        if not _joinable(op, comp) or d not in rules.axis_map(op) or _replicable(op, d):
+        if not joinable(op, comp) or d not in rules.axis_map(op) or _replicable(op, d):
             return None
         plans = current.plans
         if all(u in plans and plans[u].partial is None
@@ -368,7 +366,7 @@ def grow_through_carries(region: Region, comp, rounds: int = 4) -> Region:
     carried activation, possibly through a copy or a convert) joins with those as new
     sources, and the region is propagated again (up to ``rounds`` times). Then the carried
     value is split at its source and can be carried in chunks across iterations
-    (``hlo_passes.decompose_rewrite.split_while_body``) instead of being sliced in every
+    (``hlo_passes.decompose.rewrite.split_while_body``) instead of being sliced in every
     iteration.
     """
     params = comp.parameters

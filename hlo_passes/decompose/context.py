@@ -3,7 +3,7 @@
 From the collective D and one of its output dimensions, a breadth-first
 search walks *backwards* through operands (the pre-context, which produces
 D's input) and *forwards* through users (the post-context, which consumes
-D's result). An op joins when its rule (``concerto_jax.decompose.rules``)
+D's result). An op joins when its rule (``hlo_passes.decompose.rules``)
 lets the axis pass and every operand already in the context splits the
 way the op needs; the search stops at ops whose rule says the axis does
 not split (a contraction over it, a reduction over it, an opcode without a
@@ -19,8 +19,8 @@ import dataclasses
 from collections import deque
 from collections.abc import Callable
 
-from concerto_jax.decompose import rules
-from hlo_passes.decompose_rewrite import SplitPlan, plans_divisible_by
+from hlo_passes.decompose import rules
+from hlo_passes.decompose.rewrite import SplitPlan, plans_divisible_by
 
 _NEVER = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "while", "call",
                     "conditional", "custom-call", "rng", "rng-bit-generator",
@@ -95,7 +95,7 @@ class Context:
         return out
 
 
-def _joinable(inst, comp) -> bool:
+def joinable(inst, comp) -> bool:
     return (inst.parent is comp and inst.opcode not in _NEVER and inst.shape.is_array
             and not inst.shape.dynamic
             and not inst.control_predecessors
@@ -112,7 +112,7 @@ def _replicable(inst, dims) -> bool:
 def _add_replicable_operands(ctx: Context, inst, dims, comp) -> None:
     """Clone cheap broadcasts/iotas feeding a member instead of slicing them."""
     for op, d in zip(inst.operands, dims, strict=True):
-        if d is None or op in ctx.plans or not _joinable(op, comp):
+        if d is None or op in ctx.plans or not joinable(op, comp):
             continue
         m = rules.axis_map(op)
         if d in m and _replicable(op, m[d]):
@@ -147,7 +147,7 @@ def build_context(coll, axis: int, cost_of: Callable[[object], float], *,
         if cover_us is not None and ctx.pre_us >= cover_us:
             break
         inst, dim = queue.popleft()
-        if (inst in ctx.plans and not ctx.plans[inst].replicable) or not _joinable(inst, comp):
+        if (inst in ctx.plans and not ctx.plans[inst].replicable) or not joinable(inst, comp):
             continue
         m = rules.axis_map(inst)
         if dim not in m:
@@ -170,7 +170,7 @@ def build_context(coll, axis: int, cost_of: Callable[[object], float], *,
             break
         src = queue.popleft()
         for user in list(src.users):
-            if user in ctx.plans or not _joinable(user, comp):
+            if user in ctx.plans or not joinable(user, comp):
                 continue
             plan = _forward_plan(user, ctx.plans)
             if plan is None:

@@ -1,7 +1,7 @@
 """The ``decompose`` pass: split the computation around critical collectives (Concerto ASPLOS'25 §5).
 
 Two strategies. **Regions** first (``DecomposeOptions.region_degree``, default 2;
-``concerto_jax.decompose.region``): in each computation the best-scoring region
+``hlo_passes.decompose.region``): in each computation the best-scoring region
 of a collective (everything that splits with it along one axis, the whole
 forward and backward pass for a batch axis) becomes ``N`` micro-batches that
 share the weights, each reading them through its own opt-barriers so that XLA
@@ -14,7 +14,7 @@ completes during iteration ``i + 1``, against the next layer's first chunk, wher
 body plans faster within the body's memory limit (bitwise: only the order changes).
 
 After either strategy, **collectives of replicated operands**
-(``DecomposeOptions.replicated_reductions``, ``concerto_jax.decompose.replicated``): an
+(``DecomposeOptions.replicated_reductions``, ``hlo_passes.replicated_reductions.decide``): an
 all-reduce (reduce-scatter, all-gather) whose operand every device of an orthogonal group
 holds equal (a replicated parameter's gradient under data x tensor parallelism, proven by
 ``hlo_passes.ir.uniformity``) moves ``1/h`` of it and all-gathers the rest over that group,
@@ -25,7 +25,7 @@ Contexts: finds the collectives that independent work cannot hide, grows each on
 decomposition context along every axis the SPMD rules allow, predicts the
 gain of each degree, chooses by CP-SAT, revises the choice by scheduling and
 simulating the rewritten module (``DecomposeOptions.joint``), and rewrites
-the module (``hlo_passes.decompose_rewrite``). Run it before ``schedule``,
+the module (``hlo_passes.decompose.rewrite``). Run it before ``schedule``,
 which then places the chunks' collectives against each other's compute.
 
 Every context split the rules allow keeps each output element's arithmetic (no sum is
@@ -51,15 +51,31 @@ import warnings
 
 from concerto_jax.costmodel import CostModel, get_cluster
 from concerto_jax.costmodel.fused import fused_costs
-from concerto_jax.decompose.choose import choose
-from concerto_jax.decompose.cost import CALIBRATION_FILE, Calibration
-from concerto_jax.decompose.options import DecomposeOptions
-from concerto_jax.decompose.search import apply, find_candidates, joint_revise
+from hlo_passes.decompose import rules
+from hlo_passes.decompose.choose import choose
+from hlo_passes.decompose.cost import CALIBRATION_FILE, Calibration
+from hlo_passes.decompose.options import DecomposeOptions
+from hlo_passes.decompose.region import (
+    build_region,
+    grow_through_carries,
+    pull_in_inputs,
+    score_region,
+)
+from hlo_passes.decompose.rewrite import (
+    barrier_state_reads,
+    carried_splits,
+    release_barrier_state_reads,
+    split_instructions,
+    split_while_body,
+)
+from hlo_passes.decompose.search import apply, computations_to_search, find_candidates, joint_revise
 from hlo_passes.ir import channel_counter
 from hlo_passes.ir.errors import HloError
 from hlo_passes.options import PassOptions
 from hlo_passes.pipeline_loops.decide import decide_rotation
 from hlo_passes.registry import PassOutcome
+from hlo_passes.replicated_reductions.decide import plan_replicated_reductions
+from hlo_passes.replicated_reductions.rewrite import split_replicated_collective
 
 log = logging.getLogger(__name__)
 
@@ -95,11 +111,8 @@ def decompose_pass(module, options: PassOptions) -> PassOutcome:
 
 def _replicated_reductions(module, cost_model) -> list[dict]:
     """Every all-reduce, reduce-scatter or all-gather of an operand replicated over an
-    orthogonal group whose sliced form is cheaper (``concerto_jax.decompose.replicated``),
+    orthogonal group whose sliced form is cheaper (``hlo_passes.replicated_reductions.decide``),
     rewritten; one record each."""
-    from concerto_jax.decompose.replicated import plan_replicated_reductions
-    from hlo_passes.decompose_rewrite import split_replicated_collective
-
     fresh = channel_counter(module)
 
     records = []
@@ -209,15 +222,6 @@ def _best_region(comp, n: int, cost_model, num_devices: int, loop=None, pull_in:
     be carried in chunks (``carried_splits``) costs no slicing or concatenation. ``pull_in``:
     each region also takes in the outside operands it can split at their sources
     (``region.pull_in_inputs``)."""
-    from concerto_jax.decompose import rules
-    from concerto_jax.decompose.region import (
-        build_region,
-        grow_through_carries,
-        pull_in_inputs,
-        score_region,
-    )
-    from hlo_passes.decompose_rewrite import carried_splits
-
     best, covered = None, set()
     for coll in list(comp.instructions):
         if not coll.is_collective or coll.async_role is not None or not coll.shape.is_array:
@@ -259,17 +263,10 @@ def _read_split_outside(region) -> list:
 
 
 def _region_split(module, options, dopts: DecomposeOptions, cost_model) -> PassOutcome:
-    """The region strategy (``concerto_jax.decompose.region``): in the entry computation and
+    """The region strategy (``hlo_passes.decompose.region``): in the entry computation and
     (with ``loop_bodies``) every while body, the best region (``_best_region``) is split
     into ``region_degree`` chunks. A region whose rewrite fails is left as it was, with one
     warning."""
-    from concerto_jax.decompose.search import computations_to_search
-    from hlo_passes.decompose_rewrite import (
-        barrier_state_reads,
-        release_barrier_state_reads,
-        split_instructions,
-        split_while_body,
-    )
 
     n = dopts.region_degree
     fresh = channel_counter(module)

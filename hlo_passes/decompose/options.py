@@ -81,7 +81,7 @@ class DecomposeOptions:
     # gpt_tp8_nvlink is 10,306.2 us without, 8,379.0 with; the context split kept on
     # gpt_dp2_tp8_2hosts 7,024.7 without, 7,170.8 with.
     isolate_chunks: str = "regions"
-    # Region strategy (concerto_jax.decompose.region), tried first: in every computation, the
+    # Region strategy (hlo_passes.decompose.region), tried first: in every computation, the
     # best-scoring region of a collective is split into this many chunks (micro-batches of
     # the whole step sharing the weights, weight gradients summed). Where no computation has
     # a region with a positive score, the per-collective contexts are searched instead.
@@ -89,7 +89,7 @@ class DecomposeOptions:
     region_degree: int | None = 2
     # In a while body (scanned layers), the region also takes the loop state it reads split
     # (grow_through_carries) and that state is carried in chunks across iterations
-    # (hlo_passes.decompose_rewrite.split_while_body): sliced once before the loop and
+    # (hlo_passes.decompose.rewrite.split_while_body): sliced once before the loop and
     # concatenated once after it, instead of in every iteration. False: the body is split
     # alone (every iteration slices and concatenates its carried activations).
     carry_chunks: bool = True
@@ -108,7 +108,7 @@ class DecomposeOptions:
     # a sum over batch and sequence, split along the batch) whose chunks fall under XLA's GPU
     # tree-reduction bound (4,096 rows) while the original does not: each chunk reduces over
     # the other axes only, keeping the split axis, and the chunks' sum is reduced over it
-    # once (hlo_passes.decompose_rewrite._kept_axis; f32 reduces, half-precision ones with
+    # once (hlo_passes.decompose.rewrite._kept_axis; f32 reduces, half-precision ones with
     # wide_partials). Otherwise XLA materialises such a chunk's f32 input instead of fusing
     # the reduce with dx. Held-out TP step (8,192 -> 4,096 rows): 7,985.7 -> 7,528.6 us of
     # kernels, 1.203x -> 1.272x (docs/DECISIONS.md D25). Reassociates the same sums.
@@ -122,7 +122,7 @@ class DecomposeOptions:
     # All-reduces (reduce-scatters, all-gathers) of an operand that every device of an
     # orthogonal group holds equal (a replicated parameter's gradient under data x tensor
     # parallelism) move 1/h of it and all-gather the rest over that group, where the cost
-    # model says it is cheaper (concerto_jax.decompose.replicated: across hosts, not on
+    # model says it is cheaper (hlo_passes.replicated_reductions.decide: across hosts, not on
     # one NVLink host). Bitwise.
     replicated_reductions: bool = True
     # Split the computation (regions, else contexts; loop rotation after a region split).
