@@ -442,17 +442,20 @@ def search_original_too(rewritten_us: float, plain_us: float, searched_rewritten
 
 
 def _robust_keep(envelope, decision: str, candidate: dict, baseline: dict, record: dict, keep: bool,
-                 seconds: dict, key: str = "robust", stock_final: str | None = None) -> bool:
+                 seconds: dict, key: str = "robust", stock_final: str | None = None,
+                 names: tuple[str, str] = ("rewrite", "original"), ties_keep: bool = False) -> bool:
     """``keep`` (the nominal comparison of two plans, ``{"handed", "judged"}``) judged again over
     the envelope's cost models when there is one: the candidate's plan is kept only if its
     worst-case gain over stock XLA's final module ``stock_final`` is higher than the baseline
     plan's (``Envelope.compare``'s maximin rule; without ``stock_final``: only if it is faster
-    under every model). ``record[key]``: the ``RobustVerdict`` as a dict."""
+    under every model). ``record[key]``: the ``RobustVerdict`` as a dict; ``names``: the
+    candidate's and the baseline's names in it; ``ties_keep``: a nominal tie keeps the
+    candidate (as the caller's nominal rule does)."""
     if envelope is None:
         return keep
     t0 = time.perf_counter()
-    verdict = envelope.compare(decision, candidate["handed"], baseline["handed"], candidate="rewrite",
-                               baseline="original",
+    verdict = envelope.compare(decision, candidate["handed"], baseline["handed"], candidate=names[0],
+                               baseline=names[1], ties_keep=ties_keep,
                                nominal_us=(candidate["judged"].us, baseline["judged"].us),
                                reference_text=stock_final, reference="stock")
     seconds["robust"] = seconds.get("robust", 0.0) + time.perf_counter() - t0
@@ -518,7 +521,7 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
             seconds["xla_passes_compile"] = dt
             pre, scheduled_src, planned = _rotation_guard(
                 pre, pre_opts, scheduled_src, stock.post_spmd_text, devices, env, options, cost_model,
-                seconds, budget)
+                seconds, budget, envelope=envelope, stock_final=stock.final_text)
             opts = replicated_compile_options(devices)
             if env:
                 opts.env_option_overrides = list(env.items())
@@ -680,7 +683,7 @@ def _without_split(pre_opts, post_spmd: str, devices, options, cost_model, budge
 
 
 def _rotation_guard(pre, pre_opts, scheduled_src: str, post_spmd: str, devices, env, options,
-                    cost_model, seconds: dict, budget):
+                    cost_model, seconds: dict, budget, envelope=None, stock_final: str | None = None):
     """Keep each loop rotation of the decompose pass only where XLA's module of the program
     plans faster with it: ``(pipeline result, XLA's scheduled module, its plan or None)``.
 
@@ -689,7 +692,11 @@ def _rotation_guard(pre, pre_opts, scheduled_src: str, post_spmd: str, devices, 
     its own loop pipelining). So the program with every
     rotation is planned on XLA's scheduled module against the same program with one rotated
     loop left as it was, for each rotated loop (one more decompose + XLA compile + plan
-    each); the fastest is kept, and the decompose record gets ``rotation_guard``.
+    each); the fastest is kept, and the decompose record gets ``rotation_guard``. With an
+    ``envelope`` (``Options.robust``), each comparison keeps the program with the rotation
+    only where its worst-case gain over stock XLA's final module ``stock_final`` across the
+    plausible cost models is at least the other's (maximin, as the rewrite guard;
+    ``rotation_guard["robust"]`` holds each verdict).
     """
     from concerto_jax import pipeline
 
@@ -701,6 +708,7 @@ def _rotation_guard(pre, pre_opts, scheduled_src: str, post_spmd: str, devices, 
     plan = _plan_on(scheduled_src, options, cost_model, {}, budget)
     best = (plan["judged"].us, pre, scheduled_src, (), plan)
     tried = {"all": round(best[0], 1)}
+    verdicts: dict = {}
     for body in rotated:
         dopts = dataclasses.replace(pre_opts.decompose, rotate_skip=(body,))
         alt = pipeline.run(post_spmd, dataclasses.replace(pre_opts, decompose=dopts))
@@ -708,11 +716,17 @@ def _rotation_guard(pre, pre_opts, scheduled_src: str, post_spmd: str, devices, 
         plan = _plan_on(src, options, cost_model, {}, budget)
         us = plan["judged"].us
         tried[f"without {body}"] = round(us, 1)
-        if us < best[0]:
+        # the kept program so far (with this loop rotated) against the one without its rotation
+        keep = _robust_keep(envelope, "rotation_guard", best[4], plan, verdicts, best[0] <= us, seconds,
+                            key=f"without {body}", stock_final=stock_final,
+                            names=("rotated", "not rotated"), ties_keep=True)
+        if not keep:
             best = (us, alt, src, (body,), plan)
     _, pre, scheduled_src, skipped, plan = best
     seconds["rotation_guard"] = time.perf_counter() - t0
     guard = {"planned_us": tried, "not_rotated": list(skipped)}
+    if verdicts:
+        guard["robust"] = verdicts
     log.info("compile_for_target: rotation guard %s", guard)
     passes = tuple(dataclasses.replace(r, stats={**r.stats, "rotation_guard": guard})
                    if r.name == "decompose" else r for r in pre.passes)
