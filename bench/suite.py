@@ -14,6 +14,8 @@ gpt_zero3_16           GPT h=2048 x 2 layers, ZeRO-3/FSDP over 2x8 H100 SXM (net
 vit_dp8                ViT h=2048 (vit_0_8b preset) x 2 layers, DP=8, 8x A100 80GB (cuBLAS GEMMs)
 evoformer_dap8         Evoformer (evoformer_0_04b preset) x 1 block, DAP=8, 8x H100 SXM
 wideresnet_dp8         WideResNet (wideresnet_1_2b preset), one block per stage, DP=8, 8x A100 80GB
+moe_ep8                MoE decoder d=2048, 8 experts of width 5632 (moe_8x_d2048) x 2 layers, expert
+                       parallel EP=8 (dispatch and combine by all-to-all), bf16, 8x H100 SXM
 =====================  =========================================================
 
 The paper uses 18 GPT layers; every layer has the same collectives, so 2
@@ -83,6 +85,9 @@ SUITE: tuple[BenchCase, ...] = (
               config="evoformer_0_04b", overrides=(("num_blocks", 1),), note="Evoformer with DAP=8"),
     BenchCase(name="wideresnet_dp8", model="wideresnet", layout="dp", cluster="a100_80_8", mesh_shape=(8,),
               config="wideresnet_1_2b", overrides=(("stage_sizes", (1, 1, 1, 1)),), note="WideResNet, DP=8"),
+    BenchCase(name="moe_ep8", model="moe", layout="ep", cluster="h100_sxm_8", mesh_shape=(8,),
+              config="moe_8x_d2048", overrides=_FEW_LAYERS, dtype="bfloat16",
+              note="MoE, expert parallel EP=8 (all-to-all dispatch and combine)"),
 )
 """The v1 baseline suite."""
 

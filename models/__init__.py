@@ -1,4 +1,4 @@
-"""Flax models of the Concerto evaluation (GPT, ViT, Evoformer, WideResNet), their parallel layouts and train steps.
+"""Flax models of the Concerto evaluation (GPT, ViT, Evoformer, WideResNet) and an MoE decoder, their parallel layouts and train steps.
 
 Pipeline of this package::
 
@@ -47,12 +47,13 @@ Public API:
 
 Supported cases (``list_cases()``): gpt x {dp, tp, tp_sp, dp_tp, zero2, zero3,
 shard_map_dp}; vit x {dp, tp, tp_sp, dp_tp, zero2, zero3}; evoformer x {dp, dap,
-dp_dap, zero2, zero3}; wideresnet x {dp, dp_tp, zero2, zero3}.
+dp_dap, zero2, zero3}; wideresnet x {dp, dp_tp, zero2, zero3}; moe x {dp, zero2, zero3, ep}.
 
 Presets (paper sizes, checked by tests within 10 %): gpt_0_9b, gpt_3_6b, gpt_8_2b,
 gpt_14_5b, gpt_32_6b (18 layers, h = 2048..12288); vit_0_8b, vit_1_8b, vit_3_2b,
 vit_5_0b (16 layers, h = 2048..5120); evoformer_0_04b, evoformer_0_09b,
-evoformer_0_19b; wideresnet_1_2b, wideresnet_2_4b, wideresnet_5_5b, wideresnet_10_5b.
+evoformer_0_19b; wideresnet_1_2b, wideresnet_2_4b, wideresnet_5_5b, wideresnet_10_5b; the MoE
+decoder has no paper size (moe_8x_d2048: d 2048, 8 experts of width 5632).
 Every model also has "tiny" (float32; a train step compiles in seconds on CPU).
 Presets compute in bfloat16 with float32 params.
 """

@@ -8,12 +8,14 @@ decided here: that is the job of :mod:`models.layouts` (MaxText ``logical_axis_r
 Logical names used by the models (the shared vocabulary the layouts map):
 
 * parameters: ``vocab``, ``embed``, ``mlp``, ``heads``, ``kv``, ``norm``, ``pos``,
-  ``patch``, ``classes``, ``opm``, ``conv_h``, ``conv_w``, ``conv_in``, ``conv_out``;
+  ``patch``, ``classes``, ``opm``, ``conv_h``, ``conv_w``, ``conv_in``, ``conv_out``,
+  ``exp`` (an MoE layer's experts);
 * activations: ``activation_batch``, ``activation_length`` (sequence inside attention /
   MLP), ``activation_norm_length`` (sequence on the residual stream; sharded by
   sequence parallelism), ``activation_embed``, ``activation_heads``, ``activation_kv``,
   ``activation_mlp``, ``activation_vocab``, ``activation_dap`` (the Evoformer axis
-  that dynamic axial parallelism splits), ``activation_conv`` (image channels),
+  that dynamic axial parallelism splits), ``activation_exp`` (experts of dispatched tokens),
+  ``activation_conv`` (image channels),
   ``activation_height``, ``activation_width``.
 """
 

@@ -24,6 +24,9 @@ dap            dap=8                 Evoformer dynamic axial parallelism: MSA / 
 dp_dap         data=2, dap=4         batch over ``data``, DAP over ``dap``
 shard_map_dp   data=8                DP written with ``jax.shard_map`` inside jit and an
                                      explicit ``lax.pmean`` of the gradients
+ep             expert=8              expert parallel (MoE): experts over ``expert``, and
+                                     the batch too; tokens go to their expert's device
+                                     and back by all-to-all
 =============  ====================  ===================================================
 """
 
@@ -65,6 +68,9 @@ _OVER_DATA: Rules = (
 )
 
 _DAP: Rules = (("activation_dap", "dap"),)
+
+# Experts first: an array holding both an expert and a batch axis shards its experts.
+_EP: Rules = (("exp", "expert"), ("activation_exp", "expert"), ("activation_batch", "expert"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +128,7 @@ LAYOUTS: dict[str, Layout] = {
         Layout(
             "dp_dap", ("data", "dap"), _DP + _DAP, description="2-D data x dynamic axial parallel"
         ),
+        Layout("ep", ("expert",), _EP, description="expert parallel: experts and batch over one axis"),
         Layout(
             "shard_map_dp",
             ("data",),

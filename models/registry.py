@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from models import evoformer, gpt, vit, wideresnet
+from models import evoformer, gpt, moe, vit, wideresnet
 from models.layouts import Layout, get_layout, make_mesh
 from models.spec import ModelSpec
 from models.train import OptimizerOptions, TrainState, TrainStep, build_train_step
@@ -20,7 +20,7 @@ from models.train import OptimizerOptions, TrainState, TrainStep, build_train_st
 logger = logging.getLogger(__name__)
 
 MODELS: dict[str, ModelSpec] = {
-    spec.name: spec for spec in (gpt.SPEC, vit.SPEC, evoformer.SPEC, wideresnet.SPEC)
+    spec.name: spec for spec in (gpt.SPEC, vit.SPEC, evoformer.SPEC, wideresnet.SPEC, moe.SPEC)
 }
 
 

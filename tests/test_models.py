@@ -27,7 +27,8 @@ from tests._helpers import FULL_SWEEP
 
 DEFAULT_CASES = [(m, lay) for m, lay in models.list_cases()
                  if m == "gpt" or (m, lay) in {("vit", "tp_sp"), ("vit", "dp_tp"), ("evoformer", "dap"),
-                                               ("evoformer", "dp_dap"), ("wideresnet", "dp_tp")}]
+                                               ("evoformer", "dp_dap"), ("wideresnet", "dp_tp"),
+                                               ("moe", "ep")}]
 CASES = models.list_cases() if FULL_SWEEP else DEFAULT_CASES
 CASE_IDS = [f"{model}-{layout}" for model, layout in CASES]
 STEPS = 3
@@ -52,6 +53,7 @@ EXPECTED_COLLECTIVES = {
     "zero3": {"reduce-scatter", "all-gather"},
     "dap": {"all-to-all", "all-gather"},
     "dp_dap": {"all-to-all", "all-gather", "all-reduce"},
+    "ep": {"all-to-all", "all-reduce"},  # tokens to their experts and back; replicated params' grads
 }
 
 
@@ -215,6 +217,14 @@ def test_shardings_match_layout(model, layout):
                     f"{path}: expected sharded over data"
                 )
                 n_sharded += 1
+        elif layout == "ep":
+            if "exp" in names:
+                assert p_axes == {"expert"} and mu_axes == {"expert"}, (
+                    f"{path} {names}: expected sharded over expert, got {p_axes}/{mu_axes}"
+                )
+                n_sharded += 1
+            else:
+                assert not p_axes, f"{path}: replicated expected under ep, got {p_axes}"
         else:
             raise AssertionError(f"no sharding check for layout {layout}")
     if layout not in ("dp", "shard_map_dp", "dap", "dp_dap"):
