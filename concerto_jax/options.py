@@ -111,7 +111,7 @@ class Options:
     # search of the original program, the replicated-only alternative) would not fit in what
     # is left, they are not run; the best plan found so far is kept (never one slower than
     # stock: the final-module guard still decides) and the records say what was cut
-    # (TargetResult.cut). "auto": deviceless.program.AUTO_BUDGET_FACTOR x stock XLA's compile
+    # (TargetResult.cut). "auto": deviceless.budget.AUTO_BUDGET_FACTOR x stock XLA's compile
     # of the step, at least AUTO_BUDGET_MIN_S; None: no bound.
     time_budget_s: float | str | None = "auto"
     # compile_for_target: the memory the "schedule" pass may plan with. "xla": up to the

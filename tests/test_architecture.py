@@ -38,26 +38,21 @@ BUILD_DIRS = {"target", "build", "dist", "out", "bin", "obj"}
 ALLOWED_CYCLES: set[frozenset[str]] = {
     frozenset({"concerto_jax.scheduler.rcpsp", "concerto_jax.scheduler.sgs"}),  # step 11
     # step 8: plan_cache reads gpu_route.route.payload_device_count, whose module reaches api
-    # and deviceless.program (which import plan_cache) from inside functions
-    frozenset({"concerto_jax.api", "concerto_jax.gpu_route.route", "concerto_jax.plan_cache",
-               "concerto_jax.deviceless.program"}),
+    # (which imports plan_cache) from inside functions
+    frozenset({"concerto_jax.api", "concerto_jax.gpu_route.route", "concerto_jax.plan_cache"}),
     frozenset({"concerto_jax.api", "concerto_jax.gpu_route", "concerto_jax.plan_cache",
                "concerto_jax.deviceless"}),                                 # step 8 (folders)
 }
-ALLOWED_PRIVATE: set[str] = {
-    "concerto_jax.deviceless.program concerto_jax.deviceless.compile._read_dump",   # step 8
-    "concerto_jax.gpu_route.route concerto_jax.deviceless.program._devices_of",    # step 8
-    "concerto_jax.gpu_route.route concerto_jax.deviceless.program._with_fused_reference",  # step 9
-}
+ALLOWED_PRIVATE: set[str] = set()
 ALLOWED_UNMARKED_LAZY: dict[str, int] = {  # module -> unmarked function-level imports (steps 4-11)
-    "concerto_jax.__main__": 5, "concerto_jax.api": 2, "concerto_jax.autoccl.collectives": 1,
+    "concerto_jax.api": 2, "concerto_jax.autoccl.collectives": 1,
     "concerto_jax.autoccl.coordination": 1, "concerto_jax.autoccl.dp_job": 12,
     "concerto_jax.autoccl.gpu_step": 4,
-    "concerto_jax.gpu_check.check": 58, "concerto_jax.gpu_route.route": 25, "concerto_jax.jax_compat": 16,
+    "concerto_jax.gpu_check.check": 57, "concerto_jax.gpu_route.route": 24, "concerto_jax.jax_compat": 16,
     "concerto_jax.launch": 1, "concerto_jax.multiprocess": 2,
-    "concerto_jax.scheduler.rcpsp": 1, "concerto_jax.simulator.trace": 2,
+    "concerto_jax.scheduler.rcpsp": 1,
     "concerto_jax.deviceless.cuda_plugin": 4,
-    "concerto_jax.deviceless.pjrt_c": 4, "concerto_jax.deviceless.program": 29,
+    "concerto_jax.deviceless.pjrt_c": 4, "concerto_jax.deviceless.program": 9,
     "concerto_jax.taskgraph": 1,
 }
 ALLOWED_LAYER_BREAKS: set[str] = {
@@ -70,8 +65,8 @@ ALLOWED_LAYER_BREAKS: set[str] = {
 ALLOWED_JAX_INTERNALS: set[str] = {  # module -> JAX internal it imports (steps 7-8: through jax_compat)
     "concerto_jax.deviceless.cuda_plugin jax._src",
     "concerto_jax.deviceless.pjrt_c jax._src.lib", "concerto_jax.deviceless.pjrt_c jaxlib",
-    "concerto_jax.deviceless.program jax._src.interpreters", "concerto_jax.deviceless.program jax._src.lib",
-    "concerto_jax.deviceless.program jax._src.lib.mlir",
+    "concerto_jax.deviceless.compile jax._src.interpreters", "concerto_jax.deviceless.compile jax._src.lib",
+    "concerto_jax.deviceless.compile jax._src.lib.mlir",
 }
 
 

@@ -297,6 +297,7 @@ def test_rewrite_guard_keeps_the_faster_of_rewritten_and_plain_plans(monkeypatch
     # plan on XLA's scheduled module of the split program with the plan without the split and
     # compiles the faster one; the decision, the figures and the handed module must agree.
     from concerto_jax.costmodel import CostModel, get_cluster
+    from concerto_jax.deviceless import planning
     from concerto_jax.judge import fidelity
     from hlo_passes.decompose.options import DecomposeOptions
 
@@ -307,7 +308,8 @@ def test_rewrite_guard_keeps_the_faster_of_rewritten_and_plain_plans(monkeypatch
         judged_texts.append(text)
         return judge(text, cost_model)
 
-    monkeypatch.setattr(fidelity, "judge_module", counting_judge)
+    monkeypatch.setattr(fidelity, "judge_module", counting_judge)  # measure's
+    monkeypatch.setattr(planning, "judge_module", counting_judge)  # the plans'
     step, args = _mlp()
     opts = concerto_jax.Options(passes=("decompose", "schedule"), fallback=False,
                                 decompose=DecomposeOptions(force_degree=2), combine_thresholds=())
@@ -374,19 +376,19 @@ def test_rewrite_guard_tries_the_replicated_collectives_without_the_split(monkey
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from concerto_jax.deviceless import program
+    from concerto_jax.deviceless import planning
     from hlo_passes.decompose.options import DecomposeOptions
 
-    real, calls = program._plan_on, []
+    real, calls = planning.plan_on, []
 
     def first_plan_slower(*a, **k):
         plan = real(*a, **k)
         calls.append(plan)
         if len(calls) == 1:
-            plan = {**plan, "judged": dataclasses.replace(plan["judged"], us=3 * plan["judged"].us)}
+            plan = dataclasses.replace(plan, judged=dataclasses.replace(plan.judged, us=3 * plan.judged.us))
         return plan
 
-    monkeypatch.setattr(program, "_plan_on", first_plan_slower)
+    monkeypatch.setattr(planning, "plan_on", first_plan_slower)
     mesh = concerto_jax.target_mesh("h100_sxm_2x4", (2, 4), ("data", "model"))
     spec = {"emb": P(), "w1": P(None, "model"), "w2": P("model", None)}
     shapes = {"emb": (32768, 1024), "w1": (1024, 256), "w2": (256, 1024)}
@@ -448,7 +450,7 @@ def test_combine_thresholds_keep_the_fastest_plan():
     # to its threshold; candidates of 1 B (nothing combined) and 8 MiB are planned too, and
     # the fastest plan is compiled. Whatever wins, the record, the figures and the final
     # module agree. One kind (all-reduce) only: no per-kind round.
-    from concerto_jax.deviceless.program import combine_threshold_options
+    from concerto_jax.deviceless.combine_search import combine_threshold_options
 
     step, args = _dp_mlp()
     base = concerto_jax.Options(passes=("schedule",), fallback=False, combine_thresholds=())
@@ -490,10 +492,10 @@ def test_rewrite_guard_near_tie_searches_both_programs(monkeypatch):
     # With the margin widened so that any outcome is a near tie, the guard lets the combine
     # threshold search run on both the split program and the original, and keeps the faster
     # searched plan: the record, the figures and the handed module agree.
-    from concerto_jax.deviceless import program
+    from concerto_jax.deviceless import rewrite_guard
     from hlo_passes.decompose.options import DecomposeOptions
 
-    monkeypatch.setattr(program, "GUARD_RETUNE_MARGIN", 100.0)
+    monkeypatch.setattr(rewrite_guard, "GUARD_RETUNE_MARGIN", 100.0)
     step, args = _mlp()
     opts = concerto_jax.Options(passes=("decompose", "schedule"), fallback=False,
                                 decompose=DecomposeOptions(force_degree=2),
@@ -517,10 +519,10 @@ def test_rewrite_guard_searches_both_programs_when_the_rewrite_loses(monkeypatch
     # Without a near-tie margin, the guard decides at the given thresholds only where the
     # rewrite wins there; where it loses (XLA's combiners may have merged collectives of
     # different chunks at its default thresholds), both programs get the threshold search.
-    from concerto_jax.deviceless import program
+    from concerto_jax.deviceless import rewrite_guard
     from hlo_passes.decompose.options import DecomposeOptions
 
-    monkeypatch.setattr(program, "GUARD_RETUNE_MARGIN", 0.0)
+    monkeypatch.setattr(rewrite_guard, "GUARD_RETUNE_MARGIN", 0.0)
     step, args = _mlp()
     outcomes = set()
     for degree in (2, 4):
@@ -549,7 +551,7 @@ def test_rewrite_guard_searches_the_original_where_the_rewrites_search_outruns_i
     # gpt_zero3_16's split led by 108.7 us at XLA's thresholds and its own search moved it
     # 815.6 us (the original's search then beat it); gpt_dp2_tp8_2hosts's led by 1,153.6 us
     # and its search moved it 328.4 us (the lead stands, no second search).
-    from concerto_jax.deviceless.program import search_original_too
+    from concerto_jax.deviceless.rewrite_guard import search_original_too
 
     assert search_original_too(4579.8, 4688.5, 3764.2)
     assert not search_original_too(5928.7, 7082.3, 5600.3)
@@ -660,7 +662,7 @@ def test_xla_scheduler_memory_limit_formula():
     """XLA's GPU scheduler limit: (80 % of device memory - parameter and output bytes) x slop %."""
     import hlo_passes
     from concerto_jax.costmodel import get_cluster
-    from concerto_jax.deviceless.program import xla_scheduler_memory_limit
+    from concerto_jax.deviceless.planning import xla_scheduler_memory_limit
 
     module = hlo_passes.parse_module("""HloModule m
 
@@ -686,7 +688,7 @@ def test_memory_budget_plans_within_xlas_limit_and_keeps_the_faster():
     first alone."""
     import hlo_passes
     from concerto_jax.costmodel import get_cluster
-    from concerto_jax.deviceless.program import xla_scheduler_memory_limit
+    from concerto_jax.deviceless.planning import xla_scheduler_memory_limit
 
     step, args = _dp_mlp(fsdp=True)
     base = concerto_jax.Options(passes=("schedule",), fallback=False, combine_thresholds=())

@@ -111,10 +111,10 @@ def test_trial_durations_cost_chunks_by_their_original_ratio():
 
 
 def test_compile_for_target_hands_the_stock_module_to_decompose_only():
-    from concerto_jax.deviceless.program import _with_fused_reference
+    from concerto_jax.deviceless.planning import with_fused_reference
 
     with_dec = concerto_jax.Options(passes=("decompose", "schedule"))
-    assert _with_fused_reference(with_dec, "HloModule x").decompose.fused_reference == "HloModule x"
-    assert _with_fused_reference(with_dec, None).decompose.fused_reference is None
+    assert with_fused_reference(with_dec, "HloModule x").decompose.fused_reference == "HloModule x"
+    assert with_fused_reference(with_dec, None).decompose.fused_reference is None
     without = concerto_jax.Options(passes=("schedule",))
-    assert _with_fused_reference(without, "HloModule x") is without
+    assert with_fused_reference(without, "HloModule x") is without

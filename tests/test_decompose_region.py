@@ -19,7 +19,7 @@ import concerto_jax
 import concerto_jax.scheduler
 import hlo_passes
 from concerto_jax.deviceless import gpu_plugin_available
-from concerto_jax.deviceless.program import compile_replicated_for_target
+from concerto_jax.deviceless.compile import compile_replicated_for_target
 from hlo_passes.decompose import DecomposeOptions
 from hlo_passes.decompose.region import build_region
 from hlo_passes.decompose.rewrite import split_instructions

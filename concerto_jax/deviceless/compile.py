@@ -35,6 +35,8 @@ from concerto_jax import jax_compat
 from concerto_jax.capture import restore_parameter_shardings
 from concerto_jax.costmodel.cluster import Cluster, get_cluster
 from concerto_jax.deviceless import cuda_plugin
+from concerto_jax.executor import parse_with_xla, replicated_compile_options
+from hlo_passes.ir import Instruction, module_to_text, parse_module
 
 log = logging.getLogger(__name__)
 
@@ -276,3 +278,64 @@ def compile_fn(fn, abstract_args: Sequence, cluster: Cluster, *, in_shardings=No
         kwargs["out_shardings"] = out_shardings
     lowered = lower_for_target(jax.jit(fn, **kwargs).trace(*abstract_args))
     return compile_lowered(lowered, cluster, options)
+
+
+def _copy_to_reshape(text: str) -> str:
+    """Identity ``reshape`` in place of layout-preserving ``copy`` (the deviceless compile path
+    refuses to legalise ``mhlo.copy``; docs/ARCHITECTURE.md F3)."""
+    module = parse_module(text, source="emitted")
+    n = 0
+    for comp in module.computations:
+        for inst in [i for i in comp.instructions if i.opcode == "copy"]:
+            (src,) = inst.operands
+            if not inst.shape.is_array or src.shape != inst.shape:
+                continue
+            new = Instruction(module.unique_name("copy_reshape"), "reshape", inst.shape, [src],
+                              {k: v for k, v in inst.attrs.items() if k in ("metadata",)})
+            comp.replace_instruction(inst, new)
+            n += 1
+    return module_to_text(module) if n else text
+
+
+def compile_replicated_for_target(hlo_text: str, devices: Sequence, compiler_options: dict | None = None,
+                                  *, after_lhs: bool = False):
+    """Compile a replicated per-device module for the deviceless target of ``devices``.
+
+    Returns:
+      ``(final module text, before-LHS text or None, compile seconds)``; with ``after_lhs``
+      a fourth item, the scheduled module XLA's post-scheduling pipelines received (after
+      LHS where it ran; None when XLA wrote none).
+    """
+    # lazy: JAX's internals for a replicated compile, imported where one runs (jax_compat's to own)
+    from jax._src.interpreters import mlir as jax_mlir
+    from jax._src.lib import _jax  # lazy: as above
+    from jax._src.lib import xla_client as xc  # lazy: as above
+    from jax._src.lib.mlir import ir  # lazy: as above
+
+    devices = tuple(devices)
+    module = parse_with_xla(_copy_to_reshape(hlo_text))
+    mlir = _jax.mlir.hlo_to_stablehlo(module.as_serialized_hlo_module_proto())
+    opts = replicated_compile_options(devices)
+    with tempfile.TemporaryDirectory(prefix="concerto_target_") as d:
+        env = dict(compiler_options or {})
+        env.update({"xla_dump_to": d, "xla_dump_hlo_pass_re": f"latency-hiding-scheduler|{SCHEDULED_PASS}"})
+        opts.env_option_overrides = list(env.items())
+        t0 = time.perf_counter()
+        with jax_mlir.make_ir_context() as ctx:
+            mod = ir.Module.parse(mlir, context=ctx)
+            exe = devices[0].client.compile(mod, executable_devices=xc.DeviceList(devices),
+                                            compile_options=opts)
+        dt = time.perf_counter() - t0
+        before = _read_dump(d, "before_latency-hiding-scheduler")
+        after = _read_dump(d, SCHEDULED_MARKER) or _read_dump(d, "after_latency-hiding-scheduler")
+    final = exe.hlo_modules()[0].to_string()
+    return (final, before, dt, after) if after_lhs else (final, before, dt)
+
+
+def devices_of(compiled) -> tuple:
+    """Devices in partition order (partition ``i`` runs on the ``i``-th)."""
+    try:
+        return tuple(jax_compat.unloaded_executable(compiled).device_list)
+    except AttributeError:  # another JAX layout: the shardings' device assignment
+        leaves = [s for s in jax.tree.leaves(compiled.input_shardings) if hasattr(s, "_device_assignment")]
+        return tuple(leaves[0]._device_assignment)

@@ -1,6 +1,6 @@
 """XLA's collective combiners emulated on a task graph: the threshold search's pruning model.
 
-Each candidate of the combine-threshold search (``program._tune_combiners``) costs one XLA
+Each candidate of the combine-threshold search (``combine_search.tune_combiners``) costs one XLA
 compile (about as long as stock XLA's whole compile) plus one plan. Most of them lose. This
 module ranks the candidates before any of them is compiled, from ONE real candidate: XLA's
 scheduled module at the smallest threshold tried (``CombineProxy``), where every bucket XLA

@@ -1088,14 +1088,14 @@ def calibrate_case(prepared_dir: str, case_name: str, out_dir: str, iters: int =
         if tuned and os.path.exists(post_file):
             # XLA's whole pipeline on this GPU (its autotuning picks the GEMM and convolution
             # configurations) on the module before XLA's pipeline, collectives stood in: a
-            # deviceless compile cannot autotune, and its default GEMM tiles run many times slower
-            from concerto_jax.deviceless import program  # lazy: a GPU compile, calibration only
+            # deviceless compile cannot autotune, its default GEMM tiles run slower. # lazy: GPU only
+            from concerto_jax.deviceless.compile import compile_replicated_for_target
 
             with gzip.open(post_file, "rt") as f:
                 post, _ = standin_collectives(f.read())
             try:
                 # XLA's defaults here, not the run's deterministic-ops flag (item a's bitwise checks)
-                text = route._require_scheduled(program.compile_replicated_for_target(
+                text = route._require_scheduled(compile_replicated_for_target(
                     post, [device], {"xla_gpu_exclude_nondeterministic_ops": False}, after_lhs=True)[3])
                 modules = "tuned"
             except Exception as e:  # noqa: BLE001 - the deviceless modules still calibrate the rest

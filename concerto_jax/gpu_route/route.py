@@ -384,7 +384,7 @@ def plan_on_scheduled(post_spmd: str, scheduled: str | None, options,
     """
     from concerto_jax import executor, pipeline
     from concerto_jax.costmodel import CostModel, get_cluster
-    from concerto_jax.deviceless.program import _with_fused_reference
+    from concerto_jax.deviceless.planning import with_fused_reference
 
     cost_model = CostModel(get_cluster(options.target))
     records: list = []
@@ -392,7 +392,7 @@ def plan_on_scheduled(post_spmd: str, scheduled: str | None, options,
     _require_scheduled(scheduled)
     src, replicated, rewritten = scheduled, False, None
     if rewriting:
-        pre = pipeline.run(post_spmd, _with_fused_reference(
+        pre = pipeline.run(post_spmd, with_fused_reference(
             dataclasses.replace(options, passes=rewriting), scheduled))
         records += pre.passes
         if any(r.changed for r in pre.passes):
@@ -487,7 +487,7 @@ class GpuBackend:
         return StockCompile(compiled, post, scheduled, devices, time.perf_counter() - t0)
 
     def plan(self, stock: StockCompile, options) -> Plan:
-        from concerto_jax.deviceless.program import compile_replicated_for_target
+        from concerto_jax.deviceless.compile import compile_replicated_for_target
 
         def xla_scheduled(text: str) -> str | None:
             return compile_replicated_for_target(text, stock.device_list,
@@ -797,8 +797,13 @@ def compile_deviceless(step, abstract_args: Sequence, cluster, options) -> Devic
     """Run the route's compile stages for ``cluster`` without a GPU (``step`` jitted over a
     ``target_mesh`` of it, ``abstract_args`` ShapeDtypeStructs): the same ``plan_on_scheduled``
     and ``compile_payload`` a GPU host runs, on the deviceless stock compile."""
-    from concerto_jax.deviceless.compile import CompileOptions, compile_lowered, lower_for_target
-    from concerto_jax.deviceless.program import _devices_of, compile_replicated_for_target
+    from concerto_jax.deviceless.compile import (
+        CompileOptions,
+        compile_lowered,
+        compile_replicated_for_target,
+        devices_of,
+        lower_for_target,
+    )
 
     seconds: dict = {}
     env = dict(options.compiler_options)
@@ -807,7 +812,7 @@ def compile_deviceless(step, abstract_args: Sequence, cluster, options) -> Devic
     stock = compile_lowered(lowered, cluster, CompileOptions(
         dump_lhs=True, dump_spmd=True, dump_scheduled=True, extra=tuple(env.items())))
     seconds["stock_compile"] = time.perf_counter() - t0
-    devices = _devices_of(stock.compiled)
+    devices = devices_of(stock.compiled)
     t0 = time.perf_counter()
     plan = plan_on_scheduled(
         stock.post_spmd_text, stock.scheduled_text or stock.after_lhs_text, options,

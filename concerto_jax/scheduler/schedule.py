@@ -53,7 +53,7 @@ class ScheduleOptions:
     # A budget the caller knows the program may use whatever the input order's peak: the
     # limit is then max(memory_limit_ratio x input peak, memory_budget_bytes) (never below
     # the input order's peak). compile_for_target passes the limit XLA's own GPU scheduler
-    # holds itself to on the target (``deviceless.program.xla_scheduler_memory_limit``).
+    # holds itself to on the target (``deviceless.planning.xla_scheduler_memory_limit``).
     # Ignored when memory_limit_bytes is set or memory_limit_ratio is None.
     memory_budget_bytes: int | None = None
     odd_even: OddEvenOptions | None = OddEvenOptions()  # None: no window search

@@ -1,0 +1,140 @@
+"""Our order of XLA's scheduled module, judged: the plan every ``compile_for_target`` decision
+compares (``plan_on``), within XLA's own scheduler memory limit on the target where asked
+(``memory_budget``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from concerto_jax.deviceless import reschedule
+from concerto_jax.judge import Judged, judge_module
+from concerto_jax.report import PassRecord
+from hlo_passes.ir import parse_module
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One plan of a program on XLA's scheduled module.
+
+    Attributes:
+      handed: the module text for XLA's backend (our order; XLA's where "schedule" does not run).
+      judged: its figures by the judge (``judge.judge_module``).
+      record: the "schedule" pass record, or None without schedule.
+      memory: ``input_peak_bytes`` / ``peak_bytes`` / ``memory_limit_bytes`` of the entry
+        (empty without schedule).
+    """
+
+    handed: str
+    judged: Judged
+    record: PassRecord | None
+    memory: dict
+
+
+def with_fused_reference(options, reference: str | None, budget: int | None = None):
+    """``options`` whose decompose pass costs the post-SPMD module by XLA's fusion of the same
+    step (``DecomposeOptions.fused_reference`` = ``reference``, XLA's scheduled module of the
+    stock compile) and plans loop rotations within the program's memory budget
+    (``DecomposeOptions.memory_budget_bytes`` = ``budget``, ``memory_budget``); unchanged
+    when decompose does not run or there is no reference."""
+    if reference is None or "decompose" not in options.passes:
+        return options
+    return dataclasses.replace(options, decompose=dataclasses.replace(
+        options.decompose, fused_reference=reference, memory_budget_bytes=budget))
+
+
+def xla_scheduler_memory_limit(module, gpu, compiler_options=None) -> int:
+    """The memory limit XLA's GPU latency hiding scheduler holds a module to on ``gpu``.
+
+    XLA (``gpu_hlo_schedule.cc``, ``GetSchedulerMemoryLimit``): 80 % of the device's memory,
+    minus the bytes of the entry's parameters and outputs (assumed live throughout), times
+    ``xla_gpu_memory_limit_slop_factor`` % (95 by default; read from ``compiler_options``
+    where set). Aliased outputs are counted twice here (XLA subtracts them): a lower, safer
+    limit. ``module``: an ``hlo_passes`` module; ``gpu``: a ``costmodel.specs.GpuSpec``.
+    """
+    slop = int(dict(compiler_options or {}).get("xla_gpu_memory_limit_slop_factor", 95))
+    entry = module.entry
+    io = sum(p.shape.byte_size for p in entry.parameters)
+    if entry.root is not None:
+        io += entry.root.shape.byte_size
+    return max(0, (gpu.memory_bytes * 80 // 100 - io) * slop // 100)
+
+
+def memory_budget(scheduled_src: str | None, options, cost_model) -> int | None:
+    """XLA's own scheduler memory limit for the program of ``scheduled_src`` on the target
+    (``xla_scheduler_memory_limit``) when ``plan_on`` should plan within it too; None where
+    it should not (``Options.memory_budget="input"``, no "schedule" pass, or a scheduler
+    limit the user set in bytes or turned off)."""
+    if (scheduled_src is None or options.memory_budget != "xla" or "schedule" not in options.passes
+            or options.scheduler.memory_limit_bytes is not None
+            or options.scheduler.memory_limit_ratio is None):
+        return None
+    return xla_scheduler_memory_limit(parse_module(scheduled_src, source="xla-after-lhs"),
+                                      cost_model.gpu, options.compiler_options)
+
+
+def plan_on(scheduled_src: str, options, cost_model, seconds: dict,
+             budget: int | None = None) -> Plan:
+    """Our order of XLA's scheduled module ``scheduled_src`` when "schedule" runs (else as is),
+    judged (``judge.judge_module``).
+
+    With a ``budget`` (``memory_budget``) the module is planned twice, held to the peak
+    of XLA's order (``options.scheduler``'s limit) and within that budget, the limit XLA's
+    own scheduler has on the target; the faster plan by the judge is kept (the first on a
+    tie). The scheduler's own objective has no overlap
+    slowdown, so more memory (more overlap) does not always judge faster.
+
+    Returns:
+      A ``Plan`` (``memory`` empty without schedule).
+
+    Raises:
+      RuntimeError: our order's peak exceeds the memory limit.
+    """
+    if "schedule" not in options.passes:
+        return Plan(scheduled_src, judge_module(scheduled_src, cost_model), None, {})
+    plan = plan_once(scheduled_src, options, cost_model, seconds)
+    if budget is None:
+        return plan
+    limit = plan.memory.get("memory_limit_bytes")
+    tried = [{"memory_limit_bytes": limit, "planned_us": round(plan.judged.us, 1),
+              "peak_bytes": plan.memory.get("peak_bytes")}]
+    if limit is not None and budget > limit:
+        wide = plan_once(scheduled_src, dataclasses.replace(options, scheduler=dataclasses.replace(
+            options.scheduler, memory_budget_bytes=budget)), cost_model, seconds,
+            same_as=plan)
+        tried.append({"memory_limit_bytes": wide.memory.get("memory_limit_bytes"),
+                      "planned_us": round(wide.judged.us, 1),
+                      "peak_bytes": wide.memory.get("peak_bytes")})
+        if wide.judged.us < plan.judged.us:
+            plan = wide
+    rec = plan.record
+    return dataclasses.replace(plan, record=dataclasses.replace(rec, stats={
+        **rec.stats, "memory_budget": "xla", "xla_memory_limit_bytes": budget,
+        "memory_candidates": tried}))
+
+
+def plan_once(scheduled_src: str, options, cost_model, seconds: dict, same_as: Plan | None = None) -> Plan:
+    """One run of the schedule pass over ``scheduled_src`` (``plan_on``), judged (the judge of
+    ``same_as``, an earlier plan, reused when the order is the same)."""
+    t0 = time.perf_counter()
+    r = reschedule.reschedule_text(scheduled_src, cost_model, options)
+    dt = time.perf_counter() - t0
+    seconds["schedule"] = seconds.get("schedule", 0.0) + dt
+    entry = r.computations[-1]
+    stats = {"target": options.target, "computations": len(r.computations), "changed": list(r.changed),
+             "tasks": sum(c.tasks for c in r.computations),
+             "collectives": sum(c.collectives for c in r.computations),
+             "program_order_us": round(r.input_us, 1), "scheduled_us": round(r.scheduled_us, 1),
+             "gain": round(r.input_us / r.scheduled_us, 4) if r.scheduled_us > 0 else 1.0,
+             "source": entry.source, "input_peak_bytes": entry.input_peak_bytes,
+             "peak_bytes": entry.peak_bytes, "memory_limit_bytes": entry.memory_limit_bytes,
+             "on": "xla_scheduled"}
+    if (entry.memory_limit_bytes is not None and entry.peak_bytes is not None
+            and entry.peak_bytes > entry.memory_limit_bytes):
+        raise RuntimeError(f"our order's peak {entry.peak_bytes} B exceeds the memory limit "
+                           f"{entry.memory_limit_bytes} B")
+    same = same_as is not None and same_as.handed == r.text
+    return Plan(r.text, same_as.judged if same else judge_module(r.text, cost_model),
+                PassRecord("schedule", bool(r.changed), dt, stats),
+                dict(input_peak_bytes=entry.input_peak_bytes, peak_bytes=entry.peak_bytes,
+                     memory_limit_bytes=entry.memory_limit_bytes))

@@ -1,0 +1,143 @@
+"""The rewrite guard of ``compile_for_target``: a program rewritten before XLA (decompose,
+fuse_collectives, ...) is kept only where its plan on XLA's scheduled module beats the
+original's, under the nominal cost model and, with ``Options.robust``, under every plausible
+one (maximin against stock); loop rotations are guarded the same way, and a dropped split
+can leave the replicated operands' collectives alone. ``program._backend_only`` runs it."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from concerto_jax import pipeline
+from concerto_jax.deviceless import planning
+from concerto_jax.deviceless.compile import compile_replicated_for_target
+from concerto_jax.deviceless.planning import Plan
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class WithoutSplit:
+    """The rewrite without its split (``without_split``).
+
+    Attributes:
+      plan: its plan (after the threshold search where one ran).
+      src: XLA's scheduled module of it.
+      copts: the serialized compile options of its backend compile.
+      record: the "combine_thresholds" record of its search, or None.
+      passes: the rewriting passes' records of that program.
+    """
+
+    plan: Plan
+    src: str
+    copts: bytes
+    record: object | None
+    passes: list
+
+
+GUARD_RETUNE_MARGIN = 0.02
+"""When the rewrite's plan loses to the original's at the given combine thresholds, or wins
+by less than this fraction of the original's, the rewrite guard does not decide there: with
+``Options.combine_thresholds`` on, both programs get the threshold search and the faster
+searched plan is kept (``program._backend_only``; evoformer_dap8: dropped by 0.3 % at the defaults,
+3 % faster than the original after both searches; a held-out DP x TP Llama step: 16 % slower
+at XLA's default thresholds, where its combiners merged collectives of different chunks,
+5 % faster than the original after both searches)."""
+
+
+def search_original_too(rewritten_us: float, plain_us: float, searched_rewritten_us: float) -> bool:
+    """Whether the rewrite guard also searches the original program's combine thresholds after
+    the rewrite won at the given ones (by more than ``GUARD_RETUNE_MARGIN``): yes where the
+    rewrite's own search moved its plan by more than its lead (``plain_us - rewritten_us``),
+    since the original's search may move it as far."""
+    return rewritten_us - searched_rewritten_us > plain_us - rewritten_us
+
+
+def robust_keep(envelope, decision: str, candidate: Plan, baseline: Plan, record: dict, keep: bool,
+                seconds: dict, key: str = "robust", stock_final: str | None = None,
+                names: tuple[str, str] = ("rewrite", "original"), ties_keep: bool = False) -> bool:
+    """``keep`` (the nominal comparison of two plans) judged again over
+    the envelope's cost models when there is one: the candidate's plan is kept only if its
+    worst-case gain over stock XLA's final module ``stock_final`` is higher than the baseline
+    plan's (``Envelope.compare``'s maximin rule; without ``stock_final``: only if it is faster
+    under every model). ``record[key]``: the ``RobustVerdict`` as a dict; ``names``: the
+    candidate's and the baseline's names in it; ``ties_keep``: a nominal tie keeps the
+    candidate (as the caller's nominal rule does)."""
+    if envelope is None:
+        return keep
+    t0 = time.perf_counter()
+    verdict = envelope.compare(decision, candidate.handed, baseline.handed, candidate=names[0],
+                               baseline=names[1], ties_keep=ties_keep,
+                               nominal_us=(candidate.judged.us, baseline.judged.us),
+                               reference_text=stock_final, reference="stock")
+    seconds["robust"] = seconds.get("robust", 0.0) + time.perf_counter() - t0
+    record[key] = verdict.as_dict()
+    return verdict.keep
+
+
+def without_split(pre_opts, post_spmd: str, options, cost_model, budget, scheduled_at_program,
+                  tuned) -> WithoutSplit:
+    """The rewriting passes again with ``DecomposeOptions.split=False`` (only the collectives
+    of replicated operands), XLA's scheduled module of that program and its plan (after the
+    combine-threshold search when ``tuned`` is given)."""
+    opts = dataclasses.replace(pre_opts, decompose=dataclasses.replace(pre_opts.decompose, split=False))
+    pre = pipeline.run(post_spmd, opts)
+    at = scheduled_at_program(pre.text)
+    src, copts = at(dict(options.compiler_options))
+    plan = planning.plan_on(src, options, cost_model, {}, budget)
+    record = None
+    if tuned is not None:
+        plan, src, copts, record = tuned(at, plan, src, copts)
+    log.info("compile_for_target: the rewrite without the split plans %.1f us", plan.judged.us)
+    return WithoutSplit(plan, src, copts, record, list(pre.passes))
+
+
+def rotation_guard(pre, pre_opts, scheduled_src: str, post_spmd: str, devices, env, options,
+                   cost_model, seconds: dict, budget, envelope=None, stock_final: str | None = None):
+    """Keep each loop rotation of the decompose pass only where XLA's module of the program
+    plans faster with it: ``(pipeline result, XLA's scheduled module, its plan or None)``.
+
+    A rotation is decided on the post-SPMD graph, which does not see what XLA's passes make
+    of the rotated loop (fusion across the cut, all-reduce pairs its reassociation merges,
+    its own loop pipelining). So the program with every
+    rotation is planned on XLA's scheduled module against the same program with one rotated
+    loop left as it was, for each rotated loop (one more decompose + XLA compile + plan
+    each); the fastest is kept, and the decompose record gets ``rotation_guard``. With an
+    ``envelope`` (``Options.robust``), each comparison keeps the program with the rotation
+    only where its worst-case gain over stock XLA's final module ``stock_final`` across the
+    plausible cost models is at least the other's (maximin, as the rewrite guard;
+    ``rotation_guard["robust"]`` holds each verdict).
+    """
+    rec = next((r for r in pre.passes if r.name == "decompose"), None)
+    rotated = [r["body"] for r in (rec.stats.get("rotations") or []) if r.get("rotated")] if rec else []
+    if not rotated:
+        return pre, scheduled_src, None
+    t0 = time.perf_counter()
+    plan = planning.plan_on(scheduled_src, options, cost_model, {}, budget)
+    best = (plan.judged.us, pre, scheduled_src, (), plan)
+    tried = {"all": round(best[0], 1)}
+    verdicts: dict = {}
+    for body in rotated:
+        dopts = dataclasses.replace(pre_opts.decompose, rotate_skip=(body,))
+        alt = pipeline.run(post_spmd, dataclasses.replace(pre_opts, decompose=dopts))
+        _, _, _, src = compile_replicated_for_target(alt.text, devices, env, after_lhs=True)
+        plan = planning.plan_on(src, options, cost_model, {}, budget)
+        us = plan.judged.us
+        tried[f"without {body}"] = round(us, 1)
+        # the kept program so far (with this loop rotated) against the one without its rotation
+        keep = robust_keep(envelope, "rotation_guard", best[4], plan, verdicts, best[0] <= us, seconds,
+                            key=f"without {body}", stock_final=stock_final,
+                            names=("rotated", "not rotated"), ties_keep=True)
+        if not keep:
+            best = (us, alt, src, (body,), plan)
+    _, pre, scheduled_src, skipped, plan = best
+    seconds["rotation_guard"] = time.perf_counter() - t0
+    guard = {"planned_us": tried, "not_rotated": list(skipped)}
+    if verdicts:
+        guard["robust"] = verdicts
+    log.info("compile_for_target: rotation guard %s", guard)
+    passes = tuple(dataclasses.replace(r, stats={**r.stats, "rotation_guard": guard})
+                   if r.name == "decompose" else r for r in pre.passes)
+    return dataclasses.replace(pre, passes=passes), scheduled_src, plan
