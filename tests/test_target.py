@@ -85,3 +85,28 @@ def test_pgle_and_windowed_einsum_variants(tmp_path):
                             options=CompileOptions(windowed_einsum_mib=0, dump_lhs=False))
     assert we.options["xla_gpu_threshold_for_windowed_einsum_mib"] == 0
     assert "is_scheduled=true" in we.final_text and stock.before_lhs_text is None
+
+
+@needs_plugin
+def test_a_replicated_module_with_layout_changing_copies_compiles():
+    """The SPMD partitioner writes a sharding constraint as a ``copy`` that may change the layout
+    (an MoE step's dispatched tokens: ``bf16[1,16,160,2048]{2,0,3,1} copy(...{3,2,1,0})``). The
+    deviceless compile of a replicated module goes through StableHLO, which has no ``copy``: each
+    copy becomes a reshape to the same dimensions (the same values), layout-changing ones too
+    (they failed: "CHLO => [StableHLO+Shape] => StableHLO failed")."""
+    import concerto_jax
+    from concerto_jax.deviceless.compile import compile_replicated_for_target
+
+    text = """HloModule copies, replica_count=1
+
+ENTRY main {
+  p = f32[4,8,16]{2,1,0} parameter(0)
+  t = f32[4,8,16]{2,1,0} negate(p)
+  same = f32[4,8,16]{2,1,0} copy(t)
+  relaid = f32[4,8,16]{1,0,2} copy(t)
+  ROOT s = f32[4,8,16]{2,1,0} add(same, relaid)
+}
+"""
+    device = concerto_jax.target_mesh("h100_sxm_8", (8,), ("d",)).devices.flat[0]
+    final, _, _ = compile_replicated_for_target(text, [device])
+    assert "ENTRY" in final

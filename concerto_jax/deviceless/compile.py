@@ -281,14 +281,17 @@ def compile_fn(fn, abstract_args: Sequence, cluster: Cluster, *, in_shardings=No
 
 
 def _copy_to_reshape(text: str) -> str:
-    """Identity ``reshape`` in place of layout-preserving ``copy`` (the deviceless compile path
-    refuses to legalise ``mhlo.copy``; docs/ARCHITECTURE.md F3)."""
+    """A ``reshape`` to the same dimensions in place of every array ``copy`` (the deviceless
+    compile path refuses to legalise ``mhlo.copy``; docs/ARCHITECTURE.md F3). A copy only ever
+    changes the layout, never the values; the reshape keeps the copy's result layout, and XLA's
+    layout assignment places the physical copy where it is still needed (the partitioner writes
+    sharding constraints as layout-changing copies: an MoE step's dispatched tokens)."""
     module = parse_module(text, source="emitted")
     n = 0
     for comp in module.computations:
         for inst in [i for i in comp.instructions if i.opcode == "copy"]:
             (src,) = inst.operands
-            if not inst.shape.is_array or src.shape != inst.shape:
+            if not inst.shape.is_array or src.shape.without_layout() != inst.shape.without_layout():
                 continue
             new = Instruction(module.unique_name("copy_reshape"), "reshape", inst.shape, [src],
                               {k: v for k, v in inst.attrs.items() if k in ("metadata",)})
