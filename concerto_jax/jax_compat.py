@@ -315,6 +315,37 @@ def discover_pjrt_plugins() -> None:
     xb._discover_and_register_pjrt_plugins()
 
 
+GPU_LIBRARY_MODULES = ("gpu_solver", "gpu_linalg", "gpu_sparse", "gpu_prng", "gpu_rnn")
+"""jaxlib's modules of GPU library kernels (cuSOLVER, cuSPARSE, ...), each registering its FFI
+targets when JAX starts (0.11.2, 0.12.0.1)."""
+
+
+def register_gpu_library_calls() -> dict[str, Exception]:
+    """Reload jaxlib's GPU library modules (``GPU_LIBRARY_MODULES``) and register their CUDA FFI
+    targets with XLA as JAX does at start-up (``jax._src.lax.linalg.register_module_custom_calls``):
+    for a CUDA plugin imported after JAX started. Returns the modules that failed, with why."""
+    import importlib  # lazy: only where a CUDA plugin joins late
+
+    from jax import ffi  # lazy: as above
+
+    failed: dict[str, Exception] = {}
+    for name in GPU_LIBRARY_MODULES:
+        try:
+            module = importlib.reload(importlib.import_module(f"jaxlib.{name}"))
+            if name == "gpu_rnn":  # registers its targets when imported
+                continue
+            for platform, targets in module.registrations().items():
+                if platform != "CUDA":
+                    continue
+                for target, value, api_version in targets:
+                    ffi.register_ffi_target(target, value, platform=platform, api_version=api_version)
+            for target in getattr(module, "batch_partitionable_targets", list)():
+                ffi.register_ffi_target_as_batch_partitionable(target)
+        except Exception as e:  # noqa: BLE001 - optional kernels: the caller reports them
+            failed[name] = e
+    return failed
+
+
 def backends_initialized() -> bool:
     """Whether JAX has created its backends (clients) yet."""
     from jax._src import xla_bridge as xb

@@ -309,24 +309,17 @@ def compile_replicated_for_target(hlo_text: str, devices: Sequence, compiler_opt
       a fourth item, the scheduled module XLA's post-scheduling pipelines received (after
       LHS where it ran; None when XLA wrote none).
     """
-    # lazy: JAX's internals for a replicated compile, imported where one runs (jax_compat's to own)
-    from jax._src.interpreters import mlir as jax_mlir
-    from jax._src.lib import _jax  # lazy: as above
-    from jax._src.lib import xla_client as xc  # lazy: as above
-    from jax._src.lib.mlir import ir  # lazy: as above
-
     devices = tuple(devices)
     module = parse_with_xla(_copy_to_reshape(hlo_text))
-    mlir = _jax.mlir.hlo_to_stablehlo(module.as_serialized_hlo_module_proto())
+    mlir = jax_compat.hlo_to_stablehlo(module)
     opts = replicated_compile_options(devices)
     with tempfile.TemporaryDirectory(prefix="concerto_target_") as d:
         env = dict(compiler_options or {})
         env.update({"xla_dump_to": d, "xla_dump_hlo_pass_re": f"latency-hiding-scheduler|{SCHEDULED_PASS}"})
         opts.env_option_overrides = list(env.items())
         t0 = time.perf_counter()
-        with jax_mlir.make_ir_context() as ctx:
-            mod = ir.Module.parse(mlir, context=ctx)
-            exe = devices[0].client.compile(mod, executable_devices=xc.DeviceList(devices),
+        with jax_compat.mlir_module(mlir) as mod:
+            exe = devices[0].client.compile(mod, executable_devices=jax_compat.device_list(devices),
                                             compile_options=opts)
         dt = time.perf_counter() - t0
         before = _read_dump(d, "before_latency-hiding-scheduler")

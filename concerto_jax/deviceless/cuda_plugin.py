@@ -32,6 +32,8 @@ import os
 import subprocess
 import sys
 
+from concerto_jax import jax_compat
+
 log = logging.getLogger(__name__)
 
 PLUGIN_MODULE = "jax_plugins.xla_cuda13"
@@ -87,21 +89,19 @@ def ensure_registered() -> bool:
     Order: already registered or discoverable (nothing to do) -> the private directory
     (imported from there, ``initialize()`` with the library check skipped for that call).
     """
-    from jax._src import xla_bridge as xb
-
     if discovered():
-        if "cuda" not in xb._topology_factories:
-            xb._discover_and_register_pjrt_plugins()
-        return "cuda" in xb._topology_factories
+        if "cuda" not in jax_compat.topology_platforms():
+            jax_compat.discover_pjrt_plugins()
+        return "cuda" in jax_compat.topology_platforms()
     folder = plugin_dir()
     if not os.path.isdir(os.path.join(folder, *PLUGIN_MODULE.split("."))):
         return False
-    if "cuda" in xb._topology_factories:  # registered from the folder by an earlier call
+    if "cuda" in jax_compat.topology_platforms():  # registered from the folder by an earlier call
         return True
     # JAX discovers `jax_plugins.*` once, at its first backend or topology use. Let that run
     # now, before our folder is on sys.path: a discovery after the append would find the plugin
     # again and print an ALREADY_EXISTS traceback from its second initialize().
-    xb._discover_and_register_pjrt_plugins()
+    jax_compat.discover_pjrt_plugins()
     if folder not in sys.path:
         sys.path.append(folder)  # after site-packages; only this process, after JAX started
     importlib.invalidate_caches()
@@ -114,10 +114,7 @@ def ensure_registered() -> bool:
         module.initialize()
     log.info("registered the CUDA plugin from %s for deviceless compiles", folder)
     _register_library_calls()
-    return "cuda" in xb._topology_factories
-
-
-_LIBRARY_MODULES = ("gpu_solver", "gpu_linalg", "gpu_sparse", "gpu_prng")
+    return "cuda" in jax_compat.topology_platforms()
 
 
 def _register_library_calls() -> None:
@@ -126,28 +123,12 @@ def _register_library_calls() -> None:
     jaxlib registers them when JAX starts, from whichever CUDA plugin it can import then;
     ours joins ``sys.path`` later, so a step that calls one (``jnp.linalg.cholesky`` lowers to
     ``cusolver_potrf_ffi``) failed the deviceless compile with "No FFI handler registered".
-    jaxlib's own modules are reloaded now that the plugin imports, and their registrations
-    made as JAX makes them (``jax._src.lax.linalg.register_module_custom_calls``). A module
-    that fails is logged and skipped: a step that needs it gets XLA's error, as before.
+    ``jax_compat.register_gpu_library_calls`` makes the registrations again, as JAX makes them.
+    A module that fails is logged and skipped: a step that needs it gets XLA's error, as before.
     """
-    from jax import ffi
-
-    for name in _LIBRARY_MODULES + ("gpu_rnn",):
-        try:
-            module = importlib.reload(importlib.import_module(f"jaxlib.{name}"))
-            if name == "gpu_rnn":  # registers its targets when imported
-                continue
-            for platform, targets in module.registrations().items():
-                if platform != "CUDA":
-                    continue
-                for target, value, api_version in targets:
-                    ffi.register_ffi_target(target, value, platform=platform,
-                                            api_version=api_version)
-            for target in getattr(module, "batch_partitionable_targets", list)():
-                ffi.register_ffi_target_as_batch_partitionable(target)
-        except Exception as e:  # noqa: BLE001 - optional kernels: the compile says what is missing
-            log.warning("GPU library calls of jaxlib.%s not registered for deviceless compiles: "
-                        "%s: %s", name, type(e).__name__, e)
+    for name, error in jax_compat.register_gpu_library_calls().items():
+        log.warning("GPU library calls of jaxlib.%s not registered for deviceless compiles: %s: %s",
+                    name, type(error).__name__, error)
 
 
 def main(argv=None) -> int:

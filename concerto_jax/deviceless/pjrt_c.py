@@ -317,16 +317,12 @@ class Topology:
 def hlo_text_to_proto(text: str) -> bytes:
     """Serialized ``HloModuleProto`` of HLO text (XLA's parser; the schedule of an
     ``is_scheduled=true`` module is kept)."""
-    from jaxlib import _hlo
-
-    return _hlo.hlo_module_from_text(text).as_serialized_hlo_module_proto()
+    return jax_compat.hlo_module_from_text(text).as_serialized_hlo_module_proto()
 
 
 def hlo_proto_to_text(proto: bytes) -> str:
     """HLO text of a serialized ``HloModuleProto``."""
-    from jaxlib import _hlo
-
-    return _hlo.HloModule.from_serialized_hlo_module_proto(proto).to_string()
+    return jax_compat.hlo_module_from_proto(proto).to_string()
 
 
 def spmd_compile_options(num_partitions: int, compiler_options: dict | None = None,
@@ -334,20 +330,9 @@ def spmd_compile_options(num_partitions: int, compiler_options: dict | None = No
     """Serialized ``CompileOptions`` of a post-SPMD per-device module of ``num_partitions``
     partitions (what JAX's jit asks for; device assignment ``device_ids``, default 0..n-1),
     with ``compiler_options`` as XLA environment overrides (``xla_dump_to``, ...)."""
-    import numpy as np
-    from jax._src.lib import xla_client as xc
-
-    opts = xc.CompileOptions()
-    build = opts.executable_build_options
-    build.num_replicas = num_replicas
-    build.num_partitions = num_partitions
-    build.use_spmd_partitioning = num_partitions > 1
-    build.device_assignment = xc.DeviceAssignment.create(
-        (np.arange(num_replicas * num_partitions, dtype=np.int64) if device_ids is None
-         else np.asarray(device_ids, dtype=np.int64)).reshape(num_replicas, num_partitions))
-    if compiler_options:
-        opts.env_option_overrides = list(compiler_options.items())
-    return opts.SerializeAsString()
+    grid = range(num_replicas * num_partitions) if device_ids is None else device_ids
+    return jax_compat.compile_options(list(grid), num_replicas=num_replicas, num_partitions=num_partitions,
+                                      spmd=num_partitions > 1, env=compiler_options).SerializeAsString()
 
 
 def compile_hlo(text: str, cluster, compile_options: bytes, *, backend_only: bool = True) -> str:
