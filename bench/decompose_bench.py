@@ -323,6 +323,14 @@ def run_case(case, final_module: bool = True, split_copies: str = "estimate",
     return row
 
 
+def _case_flags(cases) -> str:
+    """`` --case NAME`` for each case run when they are not the whole suite ("" when they are)."""
+    from bench.suite import SUITE
+
+    names = [c.name for c in cases]
+    return "" if names == [c.name for c in SUITE] else "".join(f" --case {n}" for n in names)
+
+
 def entry_peak_bytes(text: str, cost_model) -> int:
     """Peak live bytes of the entry computation of a scheduled module in its own order (the
     scheduler's memory model: ``checker.peak_memory`` of the full-speed timeline)."""
@@ -384,7 +392,7 @@ def run(cases, out_dir: str = "bench/results", prefix: str = "decompose",
                 "(xla_gpu_threshold_for_windowed_einsum_mib=0), simulated µs, or '= stock' where "
                 "that module is stock's."
                 if final_module else "") + "\n",
-             f"Command: `python -m bench.cli decompose{'' if final_module else ' --taskgraph-only'}"
+             f"Command: `python -m bench.cli decompose{_case_flags(cases)}{'' if final_module else ' --taskgraph-only'}"
              f"{'' if split_copies == 'estimate' else ' --split-copies ' + split_copies}"
              f"{' --region 0' if region_degree is None else ('' if region_degree == 2 else f' --region {region_degree}')}"
              f"{'' if combine_thresholds is None else ' --thresholds ' + (','.join(map(str, combine_thresholds)) or 'none')}`; "
