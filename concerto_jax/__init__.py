@@ -27,9 +27,10 @@ Public API: ``optimize``, ``Options`` (with its option groups ``DecomposeOptions
 with planned/final/stock step times; ``TargetResult``).
 """
 
-from concerto_jax.api import ConcertoFallbackWarning, FirstStepMismatch, OptimizedStep, optimize
+from concerto_jax.api import ConcertoFallbackWarning, OptimizedStep, optimize
 from concerto_jax.deviceless.compile import target_mesh
 from concerto_jax.deviceless.program import TargetFallbackWarning, TargetResult, compile_for_target
+from concerto_jax.first_step_policy import FirstStepMismatch
 from concerto_jax.jax_compat import UnsupportedJaxVersion
 from concerto_jax.options import DecomposeOptions, Options, ScheduleOptions
 from concerto_jax.report import Report

@@ -29,7 +29,8 @@ import jax
 import numpy as np
 
 from concerto_jax import capture as capture_lib
-from concerto_jax import executor, first_step, jax_compat, multiprocess, pipeline, plan_cache
+from concerto_jax import executor, jax_compat, multiprocess, pipeline, plan_cache
+from concerto_jax.first_step_policy import FirstStepPolicy, StepEntry
 from concerto_jax.options import Options, defaults_for_platform
 from concerto_jax.report import Report
 
@@ -38,36 +39,6 @@ log = logging.getLogger(__name__)
 
 class ConcertoFallbackWarning(UserWarning):
     """The optimised module could not be built for a signature; the original step runs."""
-
-
-class FirstStepMismatch(RuntimeError):
-    """The first-step check found a difference and ``Options.fallback`` is False."""
-
-
-@dataclasses.dataclass
-class _Entry:
-    """One signature: what runs, its report, HLO texts, and the first-step check state.
-
-    ``runner`` is our compiled executable, or None: JAX's own jitted step runs
-    (identity pipeline, or a fallback). ``report`` is None until described: with
-    no pass requested the step is not captured until ``report()`` asks for it.
-    """
-
-    runner: Any
-    report: Report | None
-    captured: str | None = None
-    emitted: str | None = None
-    abstract: tuple | None = None  # (args, kwargs) as ShapeDtypeStructs, for a lazy capture
-    tolerance: float = 0.0  # largest tolerance the passes declared
-    check_pending: bool = False  # compare the next call with the original step
-    # set when the first-step check found a reassociating pass beyond its tolerance: the
-    # next call rebuilds the signature with these options (those passes left out)
-    rebuild: Options | None = None
-    note: str = ""  # words the report's first-step check keeps (why passes were left out)
-    built_with: Options | None = None  # the pipeline options this entry was built with
-    # Options.first_step_reference="wider": builds the step in wider precision (the second
-    # judge of a first step past the tolerance); None: no such judge
-    wider: Callable[[], Any] | None = None
 
 
 def _leaf_signature(x: Any) -> tuple:
@@ -94,7 +65,7 @@ def _abstract(x: Any) -> Any:
     return x
 
 
-class OptimizedStep:
+class OptimizedStep(FirstStepPolicy):
     """A jitted step with the concerto_jax pipeline in front of it.
 
     Call it like the original step. ``report()`` returns the ``Report`` of the
@@ -111,7 +82,7 @@ class OptimizedStep:
         # No Options given: the backend decides (schedule + pin on GPUs, identity on CPU);
         # resolved at the first build, when the arguments say which devices run the step.
         self._platform_default = options is None
-        self._cache: dict[tuple, _Entry] = {}
+        self._cache: dict[tuple, StepEntry] = {}
         self._last_key: tuple | None = None
         self._warned: set[str] = set()
         # passes whose first step differed beyond their declared tolerance: left out of
@@ -195,8 +166,14 @@ class OptimizedStep:
                 f"{reason}", ConcertoFallbackWarning, stacklevel=4)
         log.warning("fallback for %s: %s", name, reason)
 
+    def _warn_once(self, message: str, key: str, stacklevel: int) -> None:
+        """``message`` as one ``ConcertoFallbackWarning`` per ``key`` for this step."""
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, ConcertoFallbackWarning, stacklevel=stacklevel + 1)
+
     def _fallback(self, reason: str, name: str, n_dev: int, captured: str,
-                  stats: dict | None = None) -> _Entry:
+                  stats: dict | None = None) -> StepEntry:
         self._warn(reason, name)
         stats = stats or {}
         report = Report(function=name, num_devices=n_dev, optimized=False,
@@ -206,7 +183,7 @@ class OptimizedStep:
                         passes=stats.get("passes", ()),
                         stage_seconds=stats.get("stage_seconds", {}),
                         executable="original", first_step_check="not run (fell back)")
-        return _Entry(None, report, captured, None)
+        return StepEntry(None, report, captured, None)
 
     def _run_pipeline(self, args: tuple, kwargs: dict, options: Options | None = None, cap=None,
                       cache: plan_cache.StepCache | None = None):
@@ -241,7 +218,7 @@ class OptimizedStep:
         timings.update(result.stage_seconds)
         return cap, result, None, timings
 
-    def _described(self, entry: _Entry) -> _Entry:
+    def _described(self, entry: StepEntry) -> StepEntry:
         """Fill in the report of an identity signature (capture on abstract arguments)."""
         if entry.report is not None:
             return entry
@@ -268,7 +245,7 @@ class OptimizedStep:
             return entry
 
     def _build(self, args: tuple, kwargs: dict, options: Options | None = None,
-               note: str = "") -> _Entry:
+               note: str = "") -> StepEntry:
         """Capture, run the pipeline and compile one signature. ``options``: the pipeline's
         (default ``self.options``; a rebuild passes them without the passes whose first
         step differed beyond their tolerance); ``note``: words appended to the report's
@@ -283,7 +260,7 @@ class OptimizedStep:
             note = note or self._left_out_note
         if not options.passes and not options.always_recompile:
             # Identity by construction: JAX's own executable, nothing captured until report().
-            return _Entry(None, None, abstract=jax.tree.map(_abstract, (args, kwargs)))
+            return StepEntry(None, None, abstract=jax.tree.map(_abstract, (args, kwargs)))
         try:
             jax_compat.check_supported()  # internals of an unchecked JAX: never guess
         except jax_compat.UnsupportedJaxVersion as e:
@@ -347,7 +324,7 @@ class OptimizedStep:
                 report, first_step_check="not needed (no pass changed the module: JAX's own "
                                          "executable runs)" + unverified)
             log.info("%s", report)
-            return _Entry(None, report, text, result.text)
+            return StepEntry(None, report, text, result.text)
         tolerance = max((p.tolerance for p in result.passes), default=0.0)
         check, why = self._check_decision(cap, args, kwargs, tolerance)
         wider = None
@@ -356,219 +333,8 @@ class OptimizedStep:
             why += words
         report = dataclasses.replace(report, first_step_check=why + unverified)
         log.info("%s", report)
-        return _Entry(compiled, report, text, result.text, tolerance=tolerance,
+        return StepEntry(compiled, report, text, result.text, tolerance=tolerance,
                       check_pending=check, built_with=options, note=note, wider=wider)
-
-    def _wider_judge(self, cap, args: tuple, kwargs: dict) -> tuple[Callable[[], Any] | None, str]:
-        """The wider-precision judge of a reassociating signature's first step (built lazily:
-        only a first step past the tolerance runs it), or None where its second copy of the
-        inputs does not fit under "auto"; and the report's words."""
-        if self.options.check_first_step == "auto":
-            dyn_args, dyn_kwargs = self._static.dynamic(args, kwargs)
-            fits, why = first_step.fits_in_memory(
-                jax.tree.leaves((dyn_args, dyn_kwargs)), cap.output_avals,
-                cap.flat_output_shardings, copies=2)
-            if not multiprocess.all_succeeded(fits):
-                return None, (f"; no wider-precision judge: "
-                              f"{why if not fits else 'another process has no room for it'}")
-
-        def build():
-            text, mapping = pipeline.wider_text(cap.hlo_text)
-            executor.check_signature(cap.hlo_text, text)
-            loaded, _ = executor.compile_replicated(
-                text, cap.device_list, compiler_options=self.options.compiler_options,
-                host_callbacks=cap.host_callbacks)
-            return executor.swap_executable(cap.compiled, loaded), mapping
-
-        return build, ""
-
-    def _without_unverifiable(self, cap, result, timings: dict, args: tuple, kwargs: dict, name: str,
-                              options: Options):
-        """Passes that reassociate sums declare a tolerance that only the first-step check
-        verifies (bf16 region splits can exceed it: docs/DECISIONS.md D6). Where the
-        check cannot run (side effects, memory) and the user did not turn it off, the
-        pipeline runs again without those passes, with one warning. Returns
-        ``(cap, result, failure, timings, words for the report)``."""
-        tolerance = max((p.tolerance for p in result.passes), default=0.0)
-        if tolerance == 0 or self.options.check_first_step is False:
-            return cap, result, None, timings, ""
-        check, why = self._check_decision(cap, args, kwargs, tolerance)
-        # every process must run the same program: leave them out everywhere or nowhere
-        if multiprocess.all_succeeded(check):
-            return cap, result, None, timings, ""
-        if check:
-            why = "another process cannot run it"
-        dropped = sorted({p.name for p in result.passes if p.tolerance > 0})
-        reason = (f"the passes {dropped} reassociate sums (declared relative tolerance "
-                  f"{tolerance:g}) and the first-step check that verifies it cannot run "
-                  f"({why}); they are left out")
-        if reason not in self._warned:
-            self._warned.add(reason)
-            warnings.warn(f"concerto_jax.optimize({name}): {reason}", ConcertoFallbackWarning,
-                          stacklevel=5)
-        log.warning("%s: %s", name, reason)
-        options = dataclasses.replace(options, passes=tuple(p for p in options.passes if p not in dropped))
-        cap, result, failure, again = self._run_pipeline(
-            args, kwargs, options, cap=cap, cache=plan_cache.open_step(self._fn, args, kwargs, options))
-        timings = {**timings, **again}
-        return cap, result, failure, timings, f"; {dropped} left out: they need the check"
-
-    def _check_decision(self, cap, args: tuple, kwargs: dict,
-                        tolerance: float = 0.0) -> tuple[bool, str]:
-        """Whether to compare the first call with the original step, and the report's words.
-        ``tolerance``: the passes' declared tolerance; a reassociating module is checked under
-        "auto" even with compiler_options (against the original compiled with the same ones)."""
-        mode = self.options.check_first_step
-        if mode is False:
-            return False, "off (Options.check_first_step=False)"
-        if cap.has_effects:
-            return False, ("skipped: the step has side effects (host callbacks) that a second "
-                           "run would fire twice")
-        if mode == "auto" and self.options.compiler_options and tolerance == 0:
-            return False, ("skipped (auto): Options.compiler_options change XLA's compile of our "
-                           "module only, so the original under JAX's defaults is no bitwise "
-                           "reference (check_first_step=True compares with the original compiled "
-                           "with the same options)")
-        if mode == "auto":
-            dyn_args, dyn_kwargs = self._static.dynamic(args, kwargs)
-            fits, why = first_step.fits_in_memory(
-                jax.tree.leaves((dyn_args, dyn_kwargs)), cap.output_avals, cap.flat_output_shardings)
-            if not fits:
-                return False, f"skipped (auto): {why}"
-            return True, f"pending (auto: {why})"
-        return True, "pending"
-
-    def _judged_wider(self, entry: _Entry, spare: tuple, reference: Any, got: Any) -> tuple[bool, str]:
-        """Run the step in wider precision on ``spare`` (a copy of the inputs) and judge whether
-        ``got`` is as accurate as ``reference`` against it. Returns (kept, the report's words);
-        every process runs it and all must agree."""
-        build, entry.wider = entry.wider, None
-        worse, failure = None, ""
-        try:
-            runner, mapping = build()
-            dyn_args, dyn_kwargs = self._static.dynamic(*spare)
-            wider = runner(*dyn_args, **dyn_kwargs)
-            worse = first_step.less_accurate(reference, got, wider, entry.tolerance)
-        except Exception as e:  # noqa: BLE001 - no judge (memory, XLA): the plain verdict stands
-            log.warning("the step could not run in wider precision: %s: %s", type(e).__name__, e)
-            failure = f"{type(e).__name__}: {e}"
-        if not multiprocess.all_succeeded(worse is not None):
-            return False, ("the step could not run in wider precision ("
-                           f"{failure or 'on another process'})")
-        if multiprocess.all_succeeded(not worse):
-            f = first_step.ACCURACY_FACTOR
-            return True, (f"as close to the step run in wider precision ({_widened(mapping)}) as "
-                          f"the original's (largest error within {f:g}x the original's, squared "
-                          f"errors per leaf within {f * f:g}x plus {first_step.EXTRA_EVENTS} of "
-                          f"its worst)")
-        found = "; ".join(worse) if worse else "another process found a less accurate output"
-        return False, f"less accurate than the original against the step in wider precision: {found}"
-
-    def _failed_run(self, entry: _Entry, error: Exception, args: tuple, kwargs: dict):
-        """An unchecked call whose executable raised at launch: the original from now on, with
-        one warning; raised instead where the original cannot run in its place (``fallback``
-        off, inputs donated to the failed launch, or several processes, which must agree)."""
-        if not self.options.fallback or jax.process_count() > 1:
-            raise error
-        if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves((args, kwargs))):
-            raise RuntimeError("concerto_jax: the optimised executable failed after its inputs were "
-                               "donated, so the original step cannot run in its place; run with "
-                               "Options(check_first_step=True) to check the first call") from error
-        name = getattr(self._fn, "__name__", "step")
-        why = (f"the optimised executable failed to run "
-               f"({type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]})")
-        self._warn(why, name)
-        entry.runner = None
-        entry.report = dataclasses.replace(entry.report, optimized=False, fallback_reason=why,
-                                           executable="original")
-        return self._fn(*args, **kwargs)
-
-    def _checked_call(self, entry: _Entry, args: tuple, kwargs: dict):
-        """The first call of a recompiled signature, compared with the original step."""
-        name = getattr(self._fn, "__name__", "step")
-        copies_args, copies_kwargs = first_step.copy_arrays((args, kwargs))
-        # the wider-precision judge's inputs: copied before either step may donate them
-        spare = first_step.copy_arrays((args, kwargs)) if entry.wider is not None else None
-        if self.options.compiler_options:  # the original compiled as ours was
-            original = self._fn.lower(*copies_args, **copies_kwargs).compile(
-                compiler_options=dict(self.options.compiler_options))
-            ref_args, ref_kwargs = self._static.dynamic(copies_args, copies_kwargs)
-            reference = original(*ref_args, **ref_kwargs)  # may donate the copies
-        else:
-            reference = self._fn(*copies_args, **copies_kwargs)  # may donate the copies
-        jax.block_until_ready(reference)  # the original's own errors are the user's: raised here
-        dyn_args, dyn_kwargs = self._static.dynamic(args, kwargs)
-        failed = None
-        try:
-            got = entry.runner(*dyn_args, **dyn_kwargs)
-            jax.block_until_ready(got)
-        except Exception as e:  # noqa: BLE001 - our executable did not run: the original's outputs stand
-            if not self.options.fallback:
-                raise
-            failed = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
-            got = None
-        bad = ([f"the optimised step failed to run ({failed})"] if failed is not None
-               else first_step.differences(reference, got, entry.tolerance))
-        same = multiprocess.all_succeeded(not bad)
-        entry.check_pending = False
-        how = "bitwise" if entry.tolerance == 0 else f"within relative tolerance {entry.tolerance:g}"
-        if same:
-            entry.wider = None
-            entry.report = dataclasses.replace(
-                entry.report, first_step_check=f"ran: outputs equal the original's ({how})" + entry.note)
-            return got
-        found = "; ".join(bad) if bad else "another process found a difference"
-        if spare is not None and failed is None:
-            accurate, words = self._judged_wider(entry, spare, reference, got)
-            if accurate:
-                entry.report = dataclasses.replace(entry.report, first_step_check=(
-                    f"ran: outputs differ from the original's beyond relative tolerance "
-                    f"{entry.tolerance:g} ({found}) and are {words}") + entry.note)
-                log.info("%s: first step kept: %s", name, entry.report.first_step_check)
-                return got
-            found += f"; {words}"
-        beyond = "bitwise" if entry.tolerance == 0 else f"beyond relative tolerance {entry.tolerance:g}"
-        reason = (f"the first optimised step failed to run ({failed})" if failed is not None else
-                  f"the first optimised step differs from the original ({beyond}): {found}")
-        differed = "FAILED TO RUN" if failed is not None else "DIFFERED"
-        if not self.options.fallback:
-            raise FirstStepMismatch(reason)
-        entry.runner = None
-        base = entry.built_with or self.options
-        dropped = sorted({p.name for p in entry.report.passes if p.tolerance > 0})
-        rest = tuple(p for p in base.passes if p not in dropped)
-        if dropped and rest:
-            # the passes that reassociate sums went past their declared tolerance: this call
-            # returns the original's outputs, the next one runs the rest (checked bitwise)
-            why = (f"{reason}; the passes {dropped} that reassociate sums are left out and the "
-                   f"step is rebuilt with {list(rest)} at the next call")
-            if self.options.first_step_reference == "original" and failed is None:
-                why += (" (Options(first_step_reference='wider') keeps them where the outputs "
-                        "are as accurate as the original's against the step in wider precision)")
-            if why not in self._warned:
-                self._warned.add(why)
-                warnings.warn(f"concerto_jax.optimize({name}): {why}", ConcertoFallbackWarning, stacklevel=3)
-            log.warning("%s: %s", name, why)
-            entry.rebuild = dataclasses.replace(base, passes=rest)
-            entry.note = self._left_out_note = (
-                f"; {dropped} left out: the first step with them "
-                + (f"failed to run ({failed})" if failed is not None else
-                   f"differed beyond their tolerance ({found})"))
-            self._left_out.update(dropped)
-            entry.report = dataclasses.replace(
-                entry.report, optimized=False, fallback_reason=reason, executable="original",
-                first_step_check=f"ran: {differed} ({found}); this call fell back, the next rebuilds "
-                                 f"without {dropped}")
-            return reference
-        self._warn(reason, name)
-        entry.report = dataclasses.replace(
-            entry.report, optimized=False, fallback_reason=reason, executable="original",
-            first_step_check=f"ran: {differed} ({found}); fell back")
-        return reference
-
-
-def _widened(mapping: dict[str, str]) -> str:
-    return ", ".join(f"{a} -> {b}" for a, b in mapping.items())
 
 
 def _platform_of(args: tuple, kwargs: dict) -> str:

@@ -521,6 +521,19 @@ def proto_fields(data: bytes) -> list[tuple[int, int, Any]]:
     return out
 
 
+def payload_device_count(data: bytes) -> int | None:
+    """Replicas x partitions stored in a plain ``ExecutableAndOptionsProto`` (a CPU executable's
+    bytes); None where the bytes are framed otherwise (the CUDA plugin's Riegeli file)."""
+    try:
+        fields = proto_fields(data)
+        (opts,) = [v for k, w, v in fields if k == 2 and w == 2]
+        (build,) = [v for k, w, v in proto_fields(opts) if k == 3 and w == 2]
+        got = {k: v for k, w, v in proto_fields(build) if w == 0}
+        return max(1, got.get(4, 1)) * max(1, got.get(5, 1))
+    except (ValueError, TypeError):
+        return None
+
+
 def split_ifrt_blob(blob: bytes) -> tuple[bytes, bytes]:
     """``(header, PJRT payload)`` of a blob ``Client.deserialize_executable`` accepts.
 

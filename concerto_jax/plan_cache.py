@@ -45,7 +45,7 @@ import jax
 from concerto_jax import capture as capture_lib
 from concerto_jax import jax_compat, multiprocess, pipeline
 from concerto_jax.costmodel.envelope import RobustVerdict
-from concerto_jax.gpu_route.route import payload_device_count
+from concerto_jax.jax_compat import payload_device_count
 from concerto_jax.plan_keys import (
     canonical,
     code_part,

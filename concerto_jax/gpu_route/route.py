@@ -12,12 +12,13 @@ import os
 import re
 import tempfile
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
 from typing import Any
 
 from concerto_jax import jax_compat, multiprocess
+from concerto_jax.first_step_policy import StepEntry
+from concerto_jax.jax_compat import payload_device_count
 
 log = logging.getLogger(__name__)
 
@@ -166,19 +167,6 @@ class Payload:
     compute_capability: str | None
     final_text: str
     compile_options: bytes = b""
-
-
-def payload_device_count(data: bytes) -> int | None:
-    """Replicas x partitions stored in a plain ``ExecutableAndOptionsProto`` (a CPU executable's
-    bytes); None where the bytes are framed otherwise (the CUDA plugin's Riegeli file)."""
-    try:
-        fields = jax_compat.proto_fields(data)
-        (opts,) = [v for k, w, v in fields if k == 2 and w == 2]
-        (build,) = [v for k, w, v in jax_compat.proto_fields(opts) if k == 3 and w == 2]
-        got = {k: v for k, w, v in jax_compat.proto_fields(build) if w == 0}
-        return max(1, got.get(4, 1)) * max(1, got.get(5, 1))
-    except (ValueError, TypeError):
-        return None
 
 
 def check_payload(payload: Payload, devices: Sequence, step_devices: int) -> None:
@@ -704,10 +692,9 @@ def _dump(directory: str, name: str, stock: StockCompile, plan: Plan, payload: P
 
 
 def build_entry(step, args: tuple, kwargs: dict, options, note: str, backend):
-    """``api.OptimizedStep._build`` for a step the route serves: an ``api._Entry`` running ours
+    """``api.OptimizedStep._build`` for a step the route serves: a ``StepEntry`` running ours
     (first-step check pending as ``Options.check_first_step`` says), or the original after one
     warning naming the failed stage."""
-    from concerto_jax import api
     from concerto_jax.report import Report, count_collectives
 
     name = getattr(step._fn, "__name__", "step")
@@ -728,10 +715,7 @@ def build_entry(step, args: tuple, kwargs: dict, options, note: str, backend):
         reason = (f"the passes {dropped} reassociate sums (declared relative tolerance "
                   f"{tolerance:g}) and the first-step check that verifies it cannot run ({why}); "
                   "they are left out")
-        if reason not in step._warned:
-            step._warned.add(reason)
-            warnings.warn(f"concerto_jax.optimize({name}): {reason}", api.ConcertoFallbackWarning,
-                          stacklevel=5)
+        step._warn_once(f"concerto_jax.optimize({name}): {reason}", reason, stacklevel=5)
         options = dataclasses.replace(options, passes=tuple(p for p in options.passes if p not in dropped))
         note += f"; {dropped} left out: they need the check"
         try:
@@ -759,7 +743,7 @@ def build_entry(step, args: tuple, kwargs: dict, options, note: str, backend):
         executable=f"backend-only ({backend.name}: ours, loaded behind the step's header)",
         first_step_check=why + note)
     log.info("%s", report)
-    return api._Entry(built.compiled, report, built.stock.post_spmd, built.plan.handed,
+    return StepEntry(built.compiled, report, built.stock.post_spmd, built.plan.handed,
                       tolerance=tolerance, check_pending=check, built_with=options, note=note)
 
 
