@@ -1,4 +1,4 @@
-"""Loop rotation (hlo_passes.pipeline_loops.rotate_loop, issue #10 item 2): the last collective of a
+"""Loop rotation (hlo_passes.pipeline_loops.rotate_loop): the last collective of a
 loop body completes during the next iteration, against the next layer's independent work.
 Bitwise for trip counts 1, 2 and odd; decided by scheduling the rotated body within memory."""
 

@@ -1,4 +1,4 @@
-"""Our schedule on XLA's own scheduled module, compiled by XLA's backend only (issue #9).
+"""Our schedule on XLA's own scheduled module, compiled by XLA's backend only.
 
 The path (no opt-barrier: XLA fuses and combines as it always does)::
 
