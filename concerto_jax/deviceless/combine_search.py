@@ -80,9 +80,9 @@ cost models, and keeps the first one ``Envelope.compare`` keeps (none: the given
 
 
 def tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: float,
-                    current_src: str, budget: int | None = None, envelope=None,
-                    current_plan: Plan | None = None, stock_final: str | None = None,
-                    clock: TimeBudget | None = None) -> ThresholdSearch:
+                   current_src: str, budget: int | None = None, envelope=None,
+                   current_plan: Plan | None = None, stock_final: str | None = None,
+                   clock: TimeBudget | None = None) -> ThresholdSearch:
     """Plan the program at other XLA combine thresholds and keep the fastest plan if it beats
     ``current_us`` (the plan at the user's settings, of XLA's scheduled module ``current_src``).
 
@@ -116,7 +116,7 @@ def tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: flo
     (``TimeBudget``), a candidate whose compile (as long as the slowest so far, or stock's)
     does not fit in what is left is not compiled (``cut_by_time_budget``).
 
-    With an ``envelope`` and the ``current_plan`` (``{"handed", "judged"}``), the candidates that
+    With an ``envelope`` and the ``current_plan`` (a ``Plan``), the candidates that
     plan faster than the current plan are checked fastest first (at most
     ``ROBUST_COMBINE_CHECKS``) against it over the envelope's cost models; the first kept by
     ``Envelope.compare`` (maximin over stock XLA's final module ``stock_final``: a worst-case

@@ -41,10 +41,10 @@ GUARD_RETUNE_MARGIN = 0.02
 """When the rewrite's plan loses to the original's at the given combine thresholds, or wins
 by less than this fraction of the original's, the rewrite guard does not decide there: with
 ``Options.combine_thresholds`` on, both programs get the threshold search and the faster
-searched plan is kept (``program._backend_only``; evoformer_dap8: dropped by 0.3 % at the defaults,
-3 % faster than the original after both searches; a held-out DP x TP Llama step: 16 % slower
-at XLA's default thresholds, where its combiners merged collectives of different chunks,
-5 % faster than the original after both searches)."""
+searched plan is kept (``program._backend_only``; evoformer_dap8: dropped by 0.3 % at the
+defaults, 3 % faster than the original after both searches; a held-out DP x TP Llama step:
+16 % slower at XLA's default thresholds, where its combiners merged collectives of different
+chunks, 5 % faster than the original after both searches)."""
 
 
 def search_original_too(rewritten_us: float, plain_us: float, searched_rewritten_us: float) -> bool:
