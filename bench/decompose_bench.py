@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import threading
 import time
 
@@ -371,7 +372,7 @@ def run(cases, out_dir: str = "bench/results", prefix: str = "decompose",
         w.writerows(rows)
     def geomean(key):
         gains = [r[key] for r in rows if isinstance(r.get(key), float)]
-        g = math.exp(sum(math.log(x) for x in gains) / len(gains)) if gains else float("nan")
+        g = statistics.geometric_mean(gains) if gains else float("nan")
         return g, len(gains)
 
     lines = ["# Decomposition bench (simulated µs/step, one cost model)\n",
@@ -423,7 +424,7 @@ def run(cases, out_dir: str = "bench/results", prefix: str = "decompose",
         same = [x for x in same if isinstance(x, float)]
         if same:
             lines.append(f"Final module: geomean S+AD over stock at the same combine thresholds "
-                         f"{math.exp(sum(map(math.log, same)) / len(same)):.4f} over {len(same)} cases "
+                         f"{statistics.geometric_mean(same):.4f} over {len(same)} cases "
                          "(stock XLA given the thresholds S+AD chose, where it chose any).")
     with open(os.path.join(out_dir, f"{prefix}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -21,8 +21,8 @@ from __future__ import annotations
 import argparse
 import csv
 import logging
-import math
 import os
+import statistics
 import sys
 import time
 
@@ -227,7 +227,7 @@ def write(rows: list[dict], out: str, command: str, elapsed: float) -> None:
         w.writeheader()
         w.writerows(rows)
     gains = [r["gain"] for r in rows if isinstance(r.get("gain"), float)]
-    geo = math.exp(sum(map(math.log, gains)) / len(gains)) if gains else None
+    geo = statistics.geometric_mean(gains) if gains else None
     worst = [r["worst_gain"] for r in rows if isinstance(r.get("worst_gain"), float)]
     lines = [
         "# Held-out Llama-style step through compile_for_target (defaults)\n",
@@ -239,12 +239,12 @@ def write(rows: list[dict], out: str, command: str, elapsed: float) -> None:
                      f"over {len(gains)} layouts; lowest {min(gains):.4f}.")
     if worst:
         lines.append(f"Worst case over the plausible cost models (costmodel.envelope.ENVELOPE): geomean "
-                     f"{math.exp(sum(map(math.log, worst)) / len(worst)):.4f}, lowest {min(worst):.4f}. "
+                     f"{statistics.geometric_mean(worst):.4f}, lowest {min(worst):.4f}. "
                      + robust_columns.legend())
     rewrite = [r["rewrite_xla_gain"] for r in rows if isinstance(r.get("rewrite_xla_gain"), float)]
     if rewrite:
         lines.append(f"Decompose alone through XLA's own scheduler: geomean "
-                     f"{math.exp(sum(map(math.log, rewrite)) / len(rewrite)):.4f} over {len(rewrite)} layouts, "
+                     f"{statistics.geometric_mean(rewrite):.4f} over {len(rewrite)} layouts, "
                      f"lowest {min(rewrite):.4f}. " + rewrite_column.legend())
     with open(os.path.join(out, "heldout_target.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

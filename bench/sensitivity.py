@@ -22,8 +22,8 @@ from __future__ import annotations
 import argparse
 import csv
 import logging
-import math
 import os
+import statistics
 import sys
 import time
 
@@ -80,7 +80,7 @@ def write(rows: list[dict], out: str, command: str, elapsed: float) -> None:
     for v in variants():
         g = [r[v] for r in rows if isinstance(r.get(v), float)]
         if g:
-            lines.append(f"- {v}: geomean {math.exp(sum(map(math.log, g)) / len(g)):.4f}, lowest {min(g):.4f}")
+            lines.append(f"- {v}: geomean {statistics.geometric_mean(g):.4f}, lowest {min(g):.4f}")
     with open(os.path.join(out, "sensitivity.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

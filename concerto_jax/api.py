@@ -159,11 +159,8 @@ class OptimizedStep(FirstStepPolicy):
                 self._static.static_values(args, kwargs))
 
     def _warn(self, reason: str, name: str) -> None:
-        if reason not in self._warned:
-            self._warned.add(reason)
-            warnings.warn(
-                f"concerto_jax.optimize({name}): running the original step unchanged because "
-                f"{reason}", ConcertoFallbackWarning, stacklevel=4)
+        self._warn_once(f"concerto_jax.optimize({name}): running the original step unchanged because "
+                        f"{reason}", reason, stacklevel=4)
         log.warning("fallback for %s: %s", name, reason)
 
     def _warn_once(self, message: str, key: str, stacklevel: int) -> None:
