@@ -364,6 +364,15 @@ def run(cases, out_dir: str = "bench/results", prefix: str = "decompose",
         row["seconds"] = round(time.perf_counter() - t, 1)
         rows.append(row)
         log.info("%s", row)
+        # Rewritten after every case: a long run stopped early keeps the rows it finished.
+        _write(rows, cases, out_dir, prefix, final_module, split_copies, region_degree, combine_thresholds,
+               time.perf_counter() - t0, done=len(rows) == len(cases))
+    return rows
+
+
+def _write(rows, cases, out_dir, prefix, final_module, split_copies, region_degree, combine_thresholds,
+           seconds: float, done: bool) -> None:
+    """The CSV and markdown of the rows so far (``done``: every case ran)."""
     os.makedirs(out_dir, exist_ok=True)
     cols = list(COLUMNS) + ["seconds"]
     with open(os.path.join(out_dir, f"{prefix}.csv"), "w", newline="") as f:
@@ -397,7 +406,7 @@ def run(cases, out_dir: str = "bench/results", prefix: str = "decompose",
              f"{'' if split_copies == 'estimate' else ' --split-copies ' + split_copies}"
              f"{' --region 0' if region_degree is None else ('' if region_degree == 2 else f' --region {region_degree}')}"
              f"{'' if combine_thresholds is None else ' --thresholds ' + (','.join(map(str, combine_thresholds)) or 'none')}`; "
-             f"{time.perf_counter() - t0:.0f} s.\n",
+             f"{seconds:.0f} s" + ("" if done else f" so far ({len(rows)} of {len(cases)} cases)") + ".\n",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
     g, n = geomean("tg_sad_gain")
@@ -428,4 +437,3 @@ def run(cases, out_dir: str = "bench/results", prefix: str = "decompose",
                          "(stock XLA given the thresholds S+AD chose, where it chose any).")
     with open(os.path.join(out_dir, f"{prefix}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    return rows
