@@ -1,7 +1,8 @@
 """The pass pipeline between capture and execution: parse -> verify -> passes -> emit.
 
-Each pass is a function ``(module, options) -> PassOutcome`` listed by name in
-``hlo_passes.registry.PASS_TABLE`` (loaded lazily into ``PASSES``). The pipeline verifies
+Each pass is a function ``(module, options[, inputs]) -> PassOutcome`` listed by name in
+``hlo_passes.registry.PASS_TABLE`` (loaded lazily into ``PASSES``); a run's data besides the
+module (``PassInputs``) reaches the passes that declare ``inputs``. The pipeline verifies
 the IR after parsing and after each pass (``Options.verify``), rewrites ``partition-id`` into ``replica-id`` so the
 module can run as a replicated program (see ``concerto_jax.executor``), prints
 the module, and checks that XLA's own parser accepts it.
@@ -18,7 +19,7 @@ from concerto_jax.options import Options
 from concerto_jax.report import PassRecord, count_collectives
 from hlo_passes.as_replicas import partition_id_to_replica_id, spmd_to_replicated
 from hlo_passes.ir import HloError, HloModule, module_to_text, parse_module, verify
-from hlo_passes.registry import PASSES
+from hlo_passes.registry import NO_INPUTS, PASSES, PassInputs, takes_inputs
 from hlo_passes.upcast import upcast_floats
 
 log = logging.getLogger(__name__)
@@ -73,8 +74,9 @@ def wider_text(hlo_text: str) -> tuple[str, dict[str, str]]:
     return text, mapping
 
 
-def run(hlo_text: str, options: Options) -> PipelineResult:
-    """Run the pipeline on a captured post-SPMD module.
+def run(hlo_text: str, options: Options, inputs: PassInputs = NO_INPUTS) -> PipelineResult:
+    """Run the pipeline on a captured post-SPMD module (``inputs``: data for the passes that
+    declare it, ``hlo_passes.registry.PassInputs``).
 
     Raises:
       hlo_passes.HloError: the module could not be parsed, or a pass broke an invariant.
@@ -105,7 +107,7 @@ def run(hlo_text: str, options: Options) -> PipelineResult:
     for name in options.passes:
         fn = PASSES[name]  # KeyError names the known passes
         t = time.perf_counter()
-        outcome = fn(module, options)
+        outcome = fn(module, options, inputs) if takes_inputs(fn) else fn(module, options)
         if options.verify:
             verify(module)
         records.append(PassRecord(name, outcome.changed, time.perf_counter() - t, outcome.stats,

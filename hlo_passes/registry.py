@@ -2,7 +2,9 @@
 
 A pass is a function ``(module, options) -> PassOutcome`` over the IR (``options``: the
 settings every pass may read, ``hlo_passes.options.PassOptions``; ``concerto_jax.Options``
-satisfies it). One line of ``PASS_TABLE`` registers it: ``Options.passes`` accepts exactly
+satisfies it). A pass that also needs data of the run besides the module (another module's
+text) declares a third parameter ``inputs`` and gets
+the run's ``PassInputs``: settings live in options, data is passed as an argument. One line of ``PASS_TABLE`` registers it: ``Options.passes`` accepts exactly
 the table's names plus those assigned at run time (``PASSES[name] = fn``, or
 ``monkeypatch.setitem(PASSES, name, fn)`` in tests).
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from collections.abc import Callable, Iterator, MutableMapping
 
 
@@ -33,6 +36,32 @@ class PassOutcome:
 
 
 @dataclasses.dataclass(frozen=True)
+class PassInputs:
+    """Data a run hands its passes besides the module (``compile_for_target`` and the GPU
+    route set it; the user path runs with none). Settings, numbers included, stay in options.
+
+    Attributes:
+      fused_reference: XLA's scheduled module of the same, unrewritten step (text). With it,
+        ``decompose`` costs each post-SPMD instruction by its share of the XLA kernel it is
+        fused into (``costmodel.fused.fused_costs``) instead of one kernel per op.
+    """
+
+    fused_reference: str | None = dataclasses.field(default=None, repr=False)
+
+
+NO_INPUTS = PassInputs()
+"""The inputs of a run that has none."""
+
+
+def takes_inputs(fn: Callable) -> bool:
+    """Whether the pass ``fn`` declares the ``inputs`` parameter (registry docstring)."""
+    try:
+        return "inputs" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a callable without a signature: the two-argument form
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
 class PassSpec:
     """How the table knows a pass.
 
@@ -45,7 +74,7 @@ class PassSpec:
 
 
 PassFn = Callable[..., PassOutcome]
-"""``(module: HloModule, options: PassOptions) -> PassOutcome``."""
+"""``(module: HloModule, options: PassOptions[, inputs: PassInputs]) -> PassOutcome``."""
 
 PASS_TABLE: dict[str, PassSpec] = {
     "pipeline_loops": PassSpec("hlo_passes.pipeline_loops.run:pipeline_loops_pass"),  # before schedule

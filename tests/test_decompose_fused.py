@@ -6,6 +6,8 @@ loop kernel, tanh + negate into another): costed one kernel per op the chain hid
 all-reduce; costed by XLA's kernels it does not.
 """
 
+import dataclasses
+
 import pytest
 
 import concerto_jax
@@ -17,6 +19,7 @@ from hlo_passes.decompose.options import DecomposeOptions
 from hlo_passes.decompose.run import decompose_pass
 from hlo_passes.decompose.search import _copy, apply, find_candidates, trial_durations
 from hlo_passes.ir.parser import parse_module
+from hlo_passes.registry import NO_INPUTS, PASSES, PassInputs, PassOutcome
 
 CHAIN = ("exponential", "tanh", "negate", "exponential", "tanh", "negate", "exponential", "tanh")
 LAYOUT = ("entry_computation_layout={(f32[2048,4096]{1,0}, f32[4096,4096]{1,0})->"
@@ -57,16 +60,16 @@ def xla_text() -> str:
             "  ROOT out = (f32[2048,4096]{1,0}, f32[4096,4096]{1,0}) tuple(fusion.2, fusion.1)\n}\n")
 
 
-def _options(reference):
+def _options():
     # No memory limit: the pair is about compute costs, not the memory rule.
     return concerto_jax.Options(passes=("decompose",), target="h100_sxm_8",
                                 scheduler=scheduler.ScheduleOptions(memory_limit_bytes=1 << 40),
-                                decompose=DecomposeOptions(fused_reference=reference, region_degree=None))
+                                decompose=DecomposeOptions(region_degree=None))
 
 
 def test_fused_reference_makes_the_hidden_all_reduce_critical():
-    unfused = decompose_pass(parse_module(pre_text()), _options(None)).stats
-    fused = decompose_pass(parse_module(pre_text()), _options(xla_text())).stats
+    unfused = decompose_pass(parse_module(pre_text()), _options()).stats
+    fused = decompose_pass(parse_module(pre_text()), _options(), PassInputs(fused_reference=xla_text())).stats
     assert unfused["costs"] == "unfused" and fused["costs"] == "fused"
     # one kernel per op: 8 x 52 us of independent chain cover the all-reduce (150.7 us, NVLS)
     assert unfused["critical"] == 0 and unfused["judged"]["main"]["exposed_comm_us"] == 0.0
@@ -87,7 +90,7 @@ def test_trial_durations_cost_chunks_by_their_original_ratio():
     fc = fused_costs(module, xla_text(), cm, unmapped="zero")
     # t and t2 share one loop kernel: each costs about half its unfused estimate
     assert 0.3 < fc.ratio("t") < 0.7 and 0.3 < fc.ratio("t2") < 0.7
-    dopts = DecomposeOptions(fused_reference=xla_text(), region_degree=None)
+    dopts = DecomposeOptions(region_degree=None)
     found = find_candidates(module, cm, Calibration(1.1, 0.0, "test"), dopts,
                             scheduler.ScheduleOptions(memory_limit_bytes=1 << 40), fused=fc)
     cand = next(c for c in found.candidates if c.n == 2 and "t" in {i.name for i in
@@ -110,11 +113,32 @@ def test_trial_durations_cost_chunks_by_their_original_ratio():
     assert all(n not in dur for n, o in chunks_of.items() if o == "ar")
 
 
-def test_compile_for_target_hands_the_stock_module_to_decompose_only():
-    from concerto_jax.deviceless.planning import with_fused_reference
+def test_compile_for_target_hands_the_stock_module_to_the_passes_that_take_it(monkeypatch):
+    """XLA's module of the stock step reaches the passes that declare ``inputs`` as data of
+    the run, not inside the options; the memory budget, a setting, in DecomposeOptions; a
+    two-argument pass still runs."""
+    from concerto_jax import pipeline
+    from concerto_jax.deviceless.planning import pass_inputs, rewriting_options
 
+    inputs = pass_inputs("HloModule x")
+    assert inputs == PassInputs(fused_reference="HloModule x")
+    assert pass_inputs(None) is NO_INPUTS
     with_dec = concerto_jax.Options(passes=("decompose", "schedule"))
-    assert with_fused_reference(with_dec, "HloModule x").decompose.fused_reference == "HloModule x"
-    assert with_fused_reference(with_dec, None).decompose.fused_reference is None
-    without = concerto_jax.Options(passes=("schedule",))
-    assert with_fused_reference(without, "HloModule x") is without
+    assert rewriting_options(with_dec, ("decompose",), 1 << 30).decompose.memory_budget_bytes == 1 << 30
+    assert rewriting_options(with_dec, ("fuse_collectives",), 1 << 30).decompose == with_dec.decompose
+    seen = {}
+
+    def with_inputs(module, options, inputs):
+        seen["with"] = inputs
+        return PassOutcome(changed=False)
+
+    def without(module, options):  # the two-argument form still runs
+        seen["without"] = options
+        return PassOutcome(changed=False)
+
+    monkeypatch.setitem(PASSES, "with_inputs", with_inputs)
+    monkeypatch.setitem(PASSES, "without", without)
+    opts = concerto_jax.Options(passes=("with_inputs", "without"), validate_with_xla=False)
+    pipeline.run(pre_text(), opts, inputs)
+    assert seen["with"] is inputs and seen["without"] is opts
+    assert "fused_reference" not in {f.name for f in dataclasses.fields(DecomposeOptions)}

@@ -239,13 +239,15 @@ def test_decompose_judges_the_tiny_mlp_with_fused_costs(mlp_compile):
     import concerto_jax
     from hlo_passes.decompose.options import DecomposeOptions
     from hlo_passes.decompose.run import decompose_pass
+    from hlo_passes.registry import PassInputs
 
     pre_text, xla_text = mlp_compile
     stats = {}
     for ref in (None, xla_text):
         opts = concerto_jax.Options(passes=("decompose",), target="h100_sxm_8",
-                                    decompose=DecomposeOptions(fused_reference=ref, region_degree=None))
-        stats[ref is not None] = decompose_pass(parse_module(pre_text), opts).stats
+                                    decompose=DecomposeOptions(region_degree=None))
+        stats[ref is not None] = decompose_pass(parse_module(pre_text), opts,
+                                                PassInputs(fused_reference=ref)).stats
     fused, plain = stats[True], stats[False]
     assert fused["costs"] == "fused" and plain["costs"] == "unfused"
     s = fused["fused_costs"]

@@ -386,7 +386,7 @@ def test_a_rewrite_xla_cannot_schedule_is_dropped_and_the_order_still_planned():
 
     import concerto_jax.pipeline as pipeline
 
-    def run(post, options):
+    def run(post, options, inputs):
         return Rewrote()
 
     def xla_fails(t):

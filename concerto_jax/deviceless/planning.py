@@ -11,6 +11,7 @@ from concerto_jax.deviceless import reschedule
 from concerto_jax.judge import Judged, judge_module
 from concerto_jax.report import PassRecord
 from hlo_passes.ir import parse_module
+from hlo_passes.registry import NO_INPUTS, PassInputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,16 +32,22 @@ class Plan:
     memory: dict
 
 
-def with_fused_reference(options, reference: str | None, budget: int | None = None):
-    """``options`` whose decompose pass costs the post-SPMD module by XLA's fusion of the same
-    step (``DecomposeOptions.fused_reference`` = ``reference``, XLA's scheduled module of the
-    stock compile) and plans loop rotations within the program's memory budget
-    (``DecomposeOptions.memory_budget_bytes`` = ``budget``, ``memory_budget``); unchanged
-    when decompose does not run or there is no reference."""
-    if reference is None or "decompose" not in options.passes:
+def rewriting_options(options, rewriting: tuple[str, ...], budget: int | None = None):
+    """``options`` for the rewriting passes ``rewriting`` of a ``compile_for_target`` plan:
+    decompose plans loop rotations within the program's memory budget ``budget``
+    (``DecomposeOptions.memory_budget_bytes``, from ``memory_budget``)."""
+    options = dataclasses.replace(options, passes=rewriting)
+    if budget is None or "decompose" not in rewriting:
         return options
     return dataclasses.replace(options, decompose=dataclasses.replace(
-        options.decompose, fused_reference=reference, memory_budget_bytes=budget))
+        options.decompose, memory_budget_bytes=budget))
+
+
+def pass_inputs(reference: str | None) -> PassInputs:
+    """What the rewriting passes get besides the post-SPMD module: XLA's scheduled module of
+    the stock compile ``reference`` (decompose costs each instruction by XLA's fusion of the
+    same step); none without one."""
+    return NO_INPUTS if reference is None else PassInputs(fused_reference=reference)
 
 
 def xla_scheduler_memory_limit(module, gpu, compiler_options=None) -> int:

@@ -12,7 +12,7 @@ Two ways to make XLA's GPU compiler run our order (``via``):
       | rewriting passes    the passes of Options.passes other than "schedule"/"pin" (e.g.
       |                     decompose, fuse_collectives) on the post-SPMD module (decompose
       |                     judges with fusion-aware costs: XLA's scheduled module of the
-      |                     original step is its DecomposeOptions.fused_reference); when one
+      |                     original step is its PassInputs.fused_reference); when one
       |                     changed it, XLA's pipeline runs on OUR module up to its scheduler
       |                     (replicated compile with the same dump) and that scheduled module
       |                     is used instead
@@ -382,16 +382,16 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
     budget = planning.memory_budget(stock_src, options, cost_model)
     if rewriting:
         t0 = time.perf_counter()
-        pre_opts = planning.with_fused_reference(dataclasses.replace(options, passes=rewriting),
-                                                 scheduled_src, budget)
-        pre = pipeline.run(stock.post_spmd_text, pre_opts)
+        pre_opts = planning.rewriting_options(options, rewriting, budget)
+        inputs = planning.pass_inputs(scheduled_src)
+        pre = pipeline.run(stock.post_spmd_text, pre_opts, inputs)
         seconds["pipeline"] = time.perf_counter() - t0
         if any(r.changed for r in pre.passes):
             # XLA's pipeline up to (and through) its scheduler on OUR program.
             _, _, dt, scheduled_src = compile_replicated_for_target(pre.text, devices, env, after_lhs=True)
             seconds["xla_passes_compile"] = dt
             pre, scheduled_src, planned = rewrite_guard.rotation_guard(
-                pre, pre_opts, scheduled_src, stock.post_spmd_text, devices, env, options, cost_model,
+                pre, pre_opts, inputs, scheduled_src, stock.post_spmd_text, devices, env, options, cost_model,
                 seconds, budget, envelope=envelope, stock_final=stock.final_text)
             opts = replicated_compile_options(devices)
             if env:
@@ -497,7 +497,7 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
                 # dp x fsdp x tp step: its embedding's gather over the data groups, 1.121x ->
                 # 1.133x; docs/DECISIONS.md D23)
                 t0 = time.perf_counter()
-                alt = rewrite_guard.without_split(pre_opts, stock.post_spmd_text, options, cost_model,
+                alt = rewrite_guard.without_split(pre_opts, inputs, stock.post_spmd_text, options, cost_model,
                                                   budget, scheduled_at_program, tuned if tune else None)
                 seconds["rewrite_guard_without_split"] = time.perf_counter() - t0
                 kept_alt = alt.plan.judged.us < plan.judged.us
@@ -540,8 +540,8 @@ def _pinned(stock, options, cluster, cost_model, seconds: dict) -> CompiledProgr
     from concerto_jax import pipeline
 
     t0 = time.perf_counter()
-    pipeline_result = pipeline.run(stock.post_spmd_text, planning.with_fused_reference(
-        _pipeline_options(options), stock.scheduled_text or stock.after_lhs_text))
+    pipeline_result = pipeline.run(stock.post_spmd_text, _pipeline_options(options),
+                                   planning.pass_inputs(stock.scheduled_text or stock.after_lhs_text))
     seconds["pipeline"] = time.perf_counter() - t0
     _dump(options.dump_dir, "emitted.hlo", pipeline_result.text)
     scheduled = _scheduled(pipeline_result.text)

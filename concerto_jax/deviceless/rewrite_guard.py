@@ -14,6 +14,7 @@ from concerto_jax import pipeline
 from concerto_jax.deviceless import planning
 from concerto_jax.deviceless.compile import compile_replicated_for_target
 from concerto_jax.deviceless.planning import Plan
+from hlo_passes.registry import PassInputs
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +78,14 @@ def robust_keep(envelope, decision: str, candidate: Plan, baseline: Plan, record
     return verdict.keep
 
 
-def without_split(pre_opts, post_spmd: str, options, cost_model, budget, scheduled_at_program,
-                  tuned) -> WithoutSplit:
-    """The rewriting passes again with ``DecomposeOptions.split=False`` (only the collectives
-    of replicated operands), XLA's scheduled module of that program and its plan (after the
-    combine-threshold search when ``tuned`` is given)."""
+def without_split(pre_opts, inputs: PassInputs, post_spmd: str, options, cost_model, budget,
+                  scheduled_at_program, tuned) -> WithoutSplit:
+    """The rewriting passes (``pre_opts``, given ``inputs``) again with
+    ``DecomposeOptions.split=False`` (only the collectives of replicated operands), XLA's
+    scheduled module of that program and its plan (after the combine-threshold search when
+    ``tuned`` is given)."""
     opts = dataclasses.replace(pre_opts, decompose=dataclasses.replace(pre_opts.decompose, split=False))
-    pre = pipeline.run(post_spmd, opts)
+    pre = pipeline.run(post_spmd, opts, inputs)
     at = scheduled_at_program(pre.text)
     src, copts = at(dict(options.compiler_options))
     plan = planning.plan_on(src, options, cost_model, {}, budget)
@@ -94,7 +96,7 @@ def without_split(pre_opts, post_spmd: str, options, cost_model, budget, schedul
     return WithoutSplit(plan, src, copts, record, list(pre.passes))
 
 
-def rotation_guard(pre, pre_opts, scheduled_src: str, post_spmd: str, devices, env, options,
+def rotation_guard(pre, pre_opts, inputs: PassInputs, scheduled_src: str, post_spmd: str, devices, env, options,
                    cost_model, seconds: dict, budget, envelope=None, stock_final: str | None = None):
     """Keep each loop rotation of the decompose pass only where XLA's module of the program
     plans faster with it: ``(pipeline result, XLA's scheduled module, its plan or None)``.
@@ -121,7 +123,7 @@ def rotation_guard(pre, pre_opts, scheduled_src: str, post_spmd: str, devices, e
     verdicts: dict = {}
     for body in rotated:
         dopts = dataclasses.replace(pre_opts.decompose, rotate_skip=(body,))
-        alt = pipeline.run(post_spmd, dataclasses.replace(pre_opts, decompose=dopts))
+        alt = pipeline.run(post_spmd, dataclasses.replace(pre_opts, decompose=dopts), inputs)
         _, _, _, src = compile_replicated_for_target(alt.text, devices, env, after_lhs=True)
         plan = planning.plan_on(src, options, cost_model, {}, budget)
         us = plan.judged.us

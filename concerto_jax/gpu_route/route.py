@@ -372,7 +372,7 @@ def plan_on_scheduled(post_spmd: str, scheduled: str | None, options,
     """
     from concerto_jax import executor, pipeline
     from concerto_jax.costmodel import CostModel, get_cluster
-    from concerto_jax.deviceless.planning import with_fused_reference
+    from concerto_jax.deviceless.planning import pass_inputs
 
     cost_model = CostModel(get_cluster(options.target))
     records: list = []
@@ -380,8 +380,8 @@ def plan_on_scheduled(post_spmd: str, scheduled: str | None, options,
     _require_scheduled(scheduled)
     src, replicated, rewritten = scheduled, False, None
     if rewriting:
-        pre = pipeline.run(post_spmd, with_fused_reference(
-            dataclasses.replace(options, passes=rewriting), scheduled))
+        pre = pipeline.run(post_spmd, dataclasses.replace(options, passes=rewriting),
+                           pass_inputs(scheduled))
         records += pre.passes
         if any(r.changed for r in pre.passes):
             executor.check_signature(post_spmd, pre.text)

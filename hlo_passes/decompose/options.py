@@ -58,15 +58,10 @@ class DecomposeOptions:
     # observed max relative 4e-5, tests/test_decompose_rules.py); other splits keep every
     # element's arithmetic and are declared bitwise (0).
     split_tolerance: float = 1e-4
-    # XLA's scheduled module of the unsplit step (text), or None. When set, the judge, the
-    # criticality and Eq. 1-3 cost each post-SPMD instruction by its share of the XLA kernel
-    # it is fused into (costmodel.fused.fused_costs) instead of one kernel per op;
-    # compile_for_target sets it from the stock compile (None on the user path: unfused
-    # costs). Left out of repr / comparisons (megabytes of text).
-    fused_reference: str | None = dataclasses.field(default=None, repr=False, compare=False)
-    # fused_costs' ``unmapped`` rule for instructions mapped to no XLA kernel: "zero" (their
-    # time is already in the kernels XLA folded them into: totals equal XLA's kernel time on
-    # all 8 bench cases) or "estimate" (their unfused estimate: 0.2-7.5 % more compute).
+    # Where the pass is given XLA's scheduled module of the step (PassInputs.fused_reference:
+    # compile_for_target), fused_costs' ``unmapped`` rule for instructions mapped to no XLA
+    # kernel: "zero" (their time is already in the kernels XLA folded them into: totals
+    # equal XLA's kernel time on all 8 bench cases) or "estimate" (their unfused estimate: 0.2-7.5 % more compute).
     fused_unmapped: str = "zero"
     # With fused costs: the slices / concatenations a split adds cost their unfused estimate
     # ("estimate": a memory pass each) or nothing ("zero": XLA fuses them into the

@@ -38,7 +38,7 @@ could not prove the split safe for this instruction) is dropped with one
 warning and the rest of the module is still decomposed.
 
 Costs: given XLA's scheduled module of the same step
-(``DecomposeOptions.fused_reference``, set by ``compile_for_target``), every
+(``PassInputs.fused_reference``, given by ``compile_for_target``), every
 judgement uses fusion-aware costs (``costmodel.fused.fused_costs``, computed
 once on the unsplit module); otherwise one kernel per op.
 """
@@ -73,7 +73,7 @@ from hlo_passes.ir import channel_counter
 from hlo_passes.ir.errors import HloError
 from hlo_passes.options import PassOptions
 from hlo_passes.pipeline_loops.decide import decide_rotation
-from hlo_passes.registry import PassOutcome
+from hlo_passes.registry import NO_INPUTS, PassInputs, PassOutcome
 from hlo_passes.replicated_reductions.decide import plan_replicated_reductions
 from hlo_passes.replicated_reductions.rewrite import split_replicated_collective
 
@@ -88,12 +88,13 @@ class DecomposeWarning(UserWarning):
     """A strategy was dropped because its rewrite could not be proven safe."""
 
 
-def decompose_pass(module, options: PassOptions) -> PassOutcome:
-    """Decompose ``module``'s critical collectives; see the module docstring."""
+def decompose_pass(module, options: PassOptions, inputs: PassInputs = NO_INPUTS) -> PassOutcome:
+    """Decompose ``module``'s critical collectives; see the module docstring. ``inputs``: XLA's
+    scheduled module of the same step (fusion-aware costs) or nothing (unfused costs)."""
     dopts = getattr(options, "decompose", None) or DecomposeOptions()
     cost_model = CostModel(get_cluster(options.target))
     if dopts.split:
-        outcome = _split(module, options, dopts, cost_model)
+        outcome = _split(module, options, dopts, cost_model, inputs)
     else:
         outcome = PassOutcome(changed=False, stats={"target": options.target,
                                                     "strategy": "none (DecomposeOptions.split=False)"})
@@ -133,7 +134,7 @@ def _replicated_reductions(module, cost_model) -> list[dict]:
     return records
 
 
-def _split(module, options, dopts: DecomposeOptions, cost_model) -> PassOutcome:
+def _split(module, options, dopts: DecomposeOptions, cost_model, inputs: PassInputs) -> PassOutcome:
     """The region or context split (module docstring)."""
     calibration = Calibration.load(dopts.calibration_path or CALIBRATION_FILE)
     measured_slowdown = calibration.overlap_slowdown
@@ -151,9 +152,9 @@ def _split(module, options, dopts: DecomposeOptions, cost_model) -> PassOutcome:
             return outcome
         region_stats = outcome.stats
     fused, fused_stats = None, None
-    if dopts.fused_reference is not None:
+    if inputs.fused_reference is not None:
         try:
-            fused = fused_costs(module, dopts.fused_reference, cost_model, unmapped=dopts.fused_unmapped)
+            fused = fused_costs(module, inputs.fused_reference, cost_model, unmapped=dopts.fused_unmapped)
             fused_stats = fused.summary()
         except Exception as err:  # noqa: BLE001 - a cost refinement; unfused costs still work
             log.warning("decompose: fused costs failed (%s); judging with unfused costs", err)

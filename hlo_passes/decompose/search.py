@@ -15,7 +15,7 @@ stage judges every strategy by the schedule it actually gets.
 
 Compute costs: one kernel per HLO op (the cost model's unfused estimate) unless
 the pass was given XLA's scheduled module of the same step
-(``DecomposeOptions.fused_reference``); then every stage costs an instruction
+(``PassInputs.fused_reference``); then every stage costs an instruction
 by its share of the XLA kernel it is fused into (``costmodel.fused``), a chunk
 of a decomposed instruction ``o`` by ``ratio(o) x`` the chunk's unfused
 estimate, and the slices / concatenations a split adds by their unfused
