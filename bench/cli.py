@@ -58,7 +58,7 @@ def main(argv=None) -> int:
                    help="DecomposeOptions.region_degree (default 2): split the best region into "
                         "N micro-batches; 0: per-collective contexts only (region_degree=None)")
     d.add_argument("--thresholds", default=None, metavar="B,B,...",
-                   help="Options.combine_thresholds in bytes (default: the Options default); "
+                   help="Options.deviceless.combine_thresholds in bytes (default: the Options default); "
                         "'none': XLA's combine thresholds only")
     from bench import compile_time
 

@@ -9,7 +9,7 @@ process (what a restarted job pays; nothing warm in memory):
 * ``first_s``: ``compile_for_target`` with ``Options(passes=("decompose", "schedule"))`` and an
   empty plan cache (CPU rows: ``optimize``'s first call minus a steady call).
 * ``cached_s``: the same call again in a new process with the cache the first one filled.
-* ``cut``: what ``Options.time_budget_s`` (default "auto") left out of the first compile.
+* ``cut``: what ``Options.deviceless.time_budget_s`` (default "auto") left out of the first compile.
 * ``all_s``, ``gain_all`` (``--exhaustive``): the first compile with every combine-threshold
   candidate compiled and no time budget (``combine_compiles=None, time_budget_s=None``): what
   the pruned search's time and gain are judged against.
@@ -76,7 +76,8 @@ def _worker_target(kind: str, layout: str, layers: int, cache_dir: str) -> dict:
     # "all": every threshold candidate compiled, no time budget (what the pruning is judged against)
     search = {"combine_compiles": None, "time_budget_s": None} if kind == "all" else {}
     res = concerto_jax.compile_for_target(step, params, opt_state, data, target=cluster, options=concerto_jax.Options(
-        passes=PASSES, target=cluster, cache_dir=cache_dir, **search))
+        passes=PASSES, target=cluster, cache_dir=cache_dir,
+        deviceless=concerto_jax.DevicelessOptions(**search)))
     wall = time.perf_counter() - t0
     cm = CostModel(get_cluster(cluster))
     gain = judge_module(res.stock_final_text, cm).us / judge_module(res.final_text, cm).us

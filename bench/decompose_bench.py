@@ -44,12 +44,13 @@ COLUMNS = ("case", "cluster",
            # adds (bench.robust_columns; nominal_gain = sad_gain)
            "worst_gain", "worst_variant", "adverse_gain", "stock_kernels", "ours_kernels", "added_kernels",
            "added_mb",
-           # XLA's combine thresholds compile_for_target chose for S+AD (Options.combine_thresholds;
+           # XLA's combine thresholds compile_for_target chose for S+AD
+           # (Options.deviceless.combine_thresholds;
            # empty: XLA's defaults kept) and stock XLA compiled with the same thresholds
            "sad_thresholds", "stock_same_thresholds_us", "sad_gain_same_thresholds",
            # peak live bytes of the entry (the scheduler's memory model, MB) on XLA's final
            # modules, stock and S+AD, and the limit S+AD's plan was held to
-           # (Options.memory_budget: "xla order" = the peak of XLA's order of the same
+           # (Options.deviceless.memory_budget: "xla order" = the peak of XLA's order of the same
            # program; "xla budget" = XLA's own scheduler limit on the target)
            "stock_peak_mb", "sad_peak_mb", "sad_memory_limit",
            "windowed_einsum", "status")
@@ -253,7 +254,7 @@ def run_case(case, final_module: bool = True, split_copies: str = "estimate",
     columns (``final_module``): stock, S and S+AD compiled by ``compile_for_target`` and
     XLA's final module simulated (µs/step). ``split_copies``: ``DecomposeOptions.split_copies``;
     ``region_degree``: ``DecomposeOptions.region_degree`` (the region strategy);
-    ``combine_thresholds``: ``Options.combine_thresholds`` (None: the default).
+    ``combine_thresholds``: ``Options.deviceless.combine_thresholds`` (None: the default).
     """
     import concerto_jax
     from concerto_jax.costmodel import CostModel, get_cluster
@@ -280,10 +281,11 @@ def run_case(case, final_module: bool = True, split_copies: str = "estimate",
         row["status"] = "ok (task graph only)"
         return row
     results = {}
-    tkw = {} if combine_thresholds is None else {"combine_thresholds": tuple(combine_thresholds)}
+    deviceless = concerto_jax.DevicelessOptions(
+        **({} if combine_thresholds is None else {"combine_thresholds": tuple(combine_thresholds)}))
     for label, passes in (("s", ("schedule",)), ("sad", ("decompose", "schedule"))):
         opts = concerto_jax.Options(passes=passes, target=case.cluster, compiler_options=xla,
-                                    decompose=dopts, **tkw)
+                                    decompose=dopts, deviceless=deviceless)
         results[label] = concerto_jax.compile_for_target(c.step, c.abstract_state, c.abstract_batch,
                                                          target=case.cluster, options=opts)
     stock = results["s"].stock_step_us
@@ -298,7 +300,8 @@ def run_case(case, final_module: bool = True, split_copies: str = "estimate",
     from bench import rewrite_column
 
     row.update(rewrite_column.columns(c.step, (c.abstract_state, c.abstract_batch), case.cluster, stock,
-                                      concerto_jax.Options(compiler_options=xla, decompose=dopts, **tkw)))
+                                      concerto_jax.Options(compiler_options=xla, decompose=dopts,
+                                                           deviceless=deviceless)))
     recs = {p.name: p.stats for p in results["sad"].passes}
     chosen = (recs.get("combine_thresholds") or {}).get("chosen")
     row["sad_thresholds"] = "" if chosen is None else format_thresholds(chosen)
@@ -397,7 +400,7 @@ def _write(rows, cases, out_dir, prefix, final_module, split_copies, region_degr
              + (" stock_peak_mb / sad_peak_mb: peak live bytes of the entry of XLA's final module, "
                 "stock / S+AD, in the scheduler's memory model; sad_memory_limit: the limit S+AD's "
                 "kept plan was held to (xla order: the peak of XLA's order of the same program; "
-                "xla budget: XLA's own scheduler limit on the target, Options.memory_budget). "
+                "xla budget: XLA's own scheduler limit on the target, Options.deviceless.memory_budget). "
                 "windowed_einsum: stock XLA's final module with windowed einsum on "
                 "(xla_gpu_threshold_for_windowed_einsum_mib=0), simulated µs, or '= stock' where "
                 "that module is stock's."

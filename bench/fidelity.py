@@ -112,7 +112,7 @@ def markdown(rows: Sequence[dict], command: str, elapsed: float) -> str:
             "step. Checks: fidelity_ok = final <= 1.02 planned; overlap_ok = overlap_kept >= 0.95; "
             "faster_than_stock = final < stock. input_peak_mib / peak_mib: peak live memory of XLA's / our "
             "order of the entry (scheduler's memory model; the limit is the input's peak, or XLA's own "
-            "scheduler limit on the target where that plan judged faster: Options.memory_budget).", "",
+            "scheduler limit on the target where that plan judged faster: Options.deviceless.memory_budget).", "",
             "| " + " | ".join(_MD_COLUMNS) + " |", "|" + "---|" * len(_MD_COLUMNS)]
     for r in rows:
         head.append("| " + " | ".join(str(r.get(c, "")) for c in _MD_COLUMNS) + " |")

@@ -50,7 +50,7 @@ COLUMNS = ("layout", "cluster", "mesh", "scanned", "status", "stock_us", "ours_u
            # kernels and bytes our program adds
            "worst_gain", "worst_variant", "adverse_gain", "stock_kernels", "ours_kernels", "added_kernels",
            "added_mb",
-           # decisions the worst-case rule took otherwise than the nominal model (Options.robust),
+           # decisions the worst-case rule took otherwise than the nominal model (Options.deviceless.robust),
            # and the seconds its judgement took in the compile
            "robust_changed", "robust_s",
            "stock_compute_us", "ours_compute_us", "stock_comm_us", "ours_comm_us", "bound_us",
@@ -169,15 +169,15 @@ def build(layout: str, layers: int):
 def compile_layout(layout: str, layers: int, robust: bool = True, built=None):
     """``(TargetResult, cluster)``: one layout through ``compile_for_target`` at the defaults
     (``passes=("decompose", "schedule")``, nothing else set; ``robust=False``: with
-    ``Options.robust=()``, the nominal model alone deciding). ``built``: ``build``'s result,
+    ``Options.deviceless.robust=()``, the nominal model alone deciding). ``built``: ``build``'s result,
     when the caller has it."""
     import concerto_jax
 
     step, params, opt_state, data, cluster = built or build(layout, layers)
-    extra = {} if robust else {"robust": ()}
+    deviceless = concerto_jax.DevicelessOptions(**({} if robust else {"robust": ()}))
     res = concerto_jax.compile_for_target(step, params, opt_state, data, target=cluster,
                                           options=concerto_jax.Options(passes=("decompose", "schedule"),
-                                                                       target=cluster, **extra))
+                                                                       target=cluster, deviceless=deviceless))
     return res, cluster
 
 
@@ -272,7 +272,7 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--no-robust", dest="robust", action="store_false",
-                        help="Options.robust=(): the nominal cost model alone decides (ablation)")
+                        help="Options.deviceless.robust=(): the nominal cost model alone decides (ablation)")
     parser.add_argument("--no-rewrite-column", dest="rewrite_column", action="store_false",
                         help="skip decompose alone through XLA's own scheduler (one more search and "
                              "compile per layout)")

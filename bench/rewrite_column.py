@@ -39,7 +39,8 @@ def columns(step, abstract_args: tuple, cluster: str, stock_us: float, options=N
     from concerto_jax.judge import judge_module
 
     base = options if options is not None else concerto_jax.Options()
-    opts = dataclasses.replace(base, passes=("decompose",), robust=(), target=cluster)
+    opts = dataclasses.replace(base, passes=("decompose",), target=cluster,
+                               deviceless=dataclasses.replace(base.deviceless, robust=()))
     res = concerto_jax.compile_for_target(step, *abstract_args, target=cluster, options=opts, via="pin",
                                           guard_rewrites=False)
     if res.fallback_reason is not None:

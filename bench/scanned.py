@@ -223,10 +223,11 @@ def run_case(name: str, layout: str, cluster: str, mesh: tuple[int, ...], note: 
     cost_model = CostModel(get_cluster(cluster))
     with tempfile.TemporaryDirectory(prefix="scanned_") as tmp, recording_reschedules() as seen:
         dump = os.path.join(dump_dir, f"{name}_{variant}") if dump_dir else tmp
-        tkw = {} if combine_thresholds is None else {"combine_thresholds": tuple(combine_thresholds)}
+        deviceless = concerto_jax.DevicelessOptions(
+            **({} if combine_thresholds is None else {"combine_thresholds": tuple(combine_thresholds)}))
         options = concerto_jax.Options(passes=passes, target=cluster, compiler_options=dict(xla_options),
                                        scheduler=ScheduleOptions(memory_limit_ratio=memory_ratio), dump_dir=dump,
-                                       **tkw)
+                                       deviceless=deviceless)
         res = concerto_jax.compile_for_target(built.step, built.abstract_state, built.abstract_batch,
                                               target=cluster, options=options)
         xla_sched = (_read(os.path.join(dump, "xla_scheduled.hlo"))
@@ -367,7 +368,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dump-dir", help="keep each row's modules (captured, stock final, XLA scheduled, "
                         "emitted, final) under DUMP_DIR/<case>_<variant>/")
     parser.add_argument("--thresholds", default=None, metavar="B,B,...",
-                        help="Options.combine_thresholds in bytes (default: the Options default); "
+                        help="Options.deviceless.combine_thresholds in bytes (default: the Options default); "
                              "'none': XLA's combine thresholds only")
     args = parser.parse_args(argv)
     thresholds = None if args.thresholds is None else (

@@ -19,8 +19,8 @@ Pipeline (one stage per module)::
       (deviceless/reschedule.py) -> XLA's backend only, through the PJRT C API (deviceless/pjrt_c.py):
       XLA's final module keeps our order
 
-Public API: ``optimize``, ``Options`` (with its option groups ``DecomposeOptions`` and
-``ScheduleOptions``), ``OptimizedStep``, ``Report``,
+Public API: ``optimize``, ``Options`` (with its option groups ``DecomposeOptions``,
+``ScheduleOptions`` and ``compile_for_target``'s ``DevicelessOptions``), ``OptimizedStep``, ``Report``,
 ``ConcertoFallbackWarning``, ``FirstStepMismatch``, ``UnsupportedJaxVersion``; for a target GPU cluster without a GPU:
 ``target_mesh`` (a mesh of the cluster's deviceless devices) and
 ``compile_for_target`` (our plan compiled by XLA's GPU compiler for the target,
@@ -32,9 +32,10 @@ from concerto_jax.deviceless.compile import target_mesh
 from concerto_jax.deviceless.program import TargetFallbackWarning, TargetResult, compile_for_target
 from concerto_jax.first_step_policy import FirstStepMismatch
 from concerto_jax.jax_compat import UnsupportedJaxVersion
-from concerto_jax.options import DecomposeOptions, Options, ScheduleOptions
+from concerto_jax.options import DecomposeOptions, DevicelessOptions, Options, ScheduleOptions
 from concerto_jax.report import Report
 
-__all__ = ["ConcertoFallbackWarning", "DecomposeOptions", "FirstStepMismatch", "OptimizedStep", "Options",
+__all__ = ["ConcertoFallbackWarning", "DecomposeOptions", "DevicelessOptions", "FirstStepMismatch",
+           "OptimizedStep", "Options",
            "Report", "ScheduleOptions", "TargetFallbackWarning", "TargetResult", "UnsupportedJaxVersion", "compile_for_target",
            "optimize", "target_mesh"]

@@ -33,7 +33,7 @@ from concerto_jax.demo.gpt import GPTConfig, train_step
 from concerto_jax.demo.timeline import simulate_module, write_comparison
 from concerto_jax.deviceless.compile import target_mesh
 from concerto_jax.deviceless.program import compile_for_target
-from concerto_jax.options import Options
+from concerto_jax.options import DevicelessOptions, Options
 
 log = logging.getLogger("concerto_jax.main")
 
@@ -103,7 +103,7 @@ def _target_step(args) -> None:
           f"{cfg.batch_size}x{cfg.seq_len} tokens, bf16)")
     print("   compiled by XLA for 8x H100 SXM on this CPU machine, no GPU")
     # combine_thresholds=(): no search over XLA's combine thresholds (one XLA compile each).
-    options = Options(passes=("decompose", "schedule"), combine_thresholds=())
+    options = Options(passes=("decompose", "schedule"), deviceless=DevicelessOptions(combine_thresholds=()))
     log.info("compile_for_target(%s): stock compile, decompose, schedule, XLA backend", TARGET)
     t0 = time.perf_counter()
     res = compile_for_target(built.step, *built.abstract_inputs, target=TARGET,

@@ -1,9 +1,14 @@
-"""Options of ``concerto_jax.optimize``: one frozen dataclass, one comment per field."""
+"""Options of ``concerto_jax.optimize`` and ``compile_for_target``: frozen dataclasses, one
+comment per field. ``Options`` holds what both entry points read (passes, target, the passes'
+own settings) and ``optimize``'s first-step check; ``Options.deviceless`` (``DevicelessOptions``)
+what only ``compile_for_target`` reads."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,6 +17,82 @@ from concerto_jax.costmodel.envelope import ENVELOPE, Variant
 from concerto_jax.scheduler import ScheduleOptions
 from hlo_passes.decompose.options import DecomposeOptions
 from hlo_passes.registry import pass_names
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicelessOptions:
+    """What ``compile_for_target`` searches beyond the passes (``Options.deviceless``): XLA's
+    combine thresholds, the call's time budget, the memory budget of the plan, and the cost
+    models its decisions must win under. ``optimize`` does not read them."""
+
+    # With passes: also plan the program with XLA's all-reduce / all-gather / reduce-scatter
+    # combine thresholds at each of these byte sizes (one XLA compile each) and keep the
+    # fastest plan if it beats the one at the given compiler options (TargetResult.passes:
+    # the "combine_thresholds" record).
+    # XLA's buckets wait for their last member; smaller ones overlap earlier, bigger ones
+    # pay fewer latencies. () : off.
+    combine_thresholds: tuple[int, ...] = (128 << 20, 32 << 20, 8 << 20, 2 << 20, 512 << 10)
+    # Then, where two or more of those kinds carry more bytes than the smallest size, one
+    # round of coordinate descent per kind over the same sizes (a ZeRO-3 step's weight
+    # gathers and gradient reduce-scatters want different sizes): up to
+    # (len(combine_thresholds) + 1) more compiles per such kind.
+    combine_per_kind: bool = True
+    # How many candidates of that search are compiled beyond the smallest size. The smallest
+    # size is compiled first; every other candidate (each uniform size, and the per-kind
+    # round) is estimated on its module with XLA's combiners emulated
+    # (concerto_jax.deviceless.thresholds), and only the best-estimated ones with a bucket
+    # structure of their own are compiled and planned; the search keeps a real plan only.
+    # None: every candidate compiled (the estimates are still recorded beside the plans).
+    combine_compiles: int | None = 2
+    # The whole call's time budget in seconds, from the call to the final
+    # compile. Where the optional searches (the combine-threshold candidates, the guard's
+    # search of the original program, the replicated-only alternative) would not fit in what
+    # is left, they are not run; the best plan found so far is kept (never one slower than
+    # stock: the final-module guard still decides) and the records say what was cut
+    # (TargetResult.cut). "auto": deviceless.budget.AUTO_BUDGET_FACTOR x stock XLA's compile
+    # of the step, at least AUTO_BUDGET_MIN_S; None: no bound.
+    time_budget_s: float | str | None = "auto"
+    # The memory the "schedule" pass may plan with. "xla": up to the
+    # limit XLA's own GPU scheduler holds itself to on the target ((80 % of the device's
+    # memory - parameter and output bytes) x xla_gpu_memory_limit_slop_factor %, 95 by
+    # default), never below the peak of XLA's order; the plan under that budget and the
+    # plan held to XLA's order's peak are both judged and the faster kept (the schedule
+    # record says which, with both peaks). "input": never above the peak of XLA's order
+    # (Options.scheduler's limit alone). With "xla" and control flow, each computation
+    # plans within its share of the budget (entry 1/2, a loop body 1/4, nested 1/8, ...:
+    # ``judge.budget_share``), never below its input order's peak.
+    memory_budget: str = "xla"
+    # The cost models decisions that trade extra kernels or bytes for
+    # hidden communication are judged under (costmodel.envelope.ENVELOPE: the nominal model and
+    # each configured GPU figure at both ends of its plausible range). The rewrite guard keeps a
+    # rewrite, and the combine-threshold search a threshold, only where its worst-case gain over
+    # stock XLA's program across these models is higher than without it (maximin); the
+    # final-module guard keeps our program only where it is no slower than stock's under every
+    # one (TargetResult.robust: nominal and worst-case gain per decision). () : the nominal
+    # model alone decides (no robust judgement).
+    robust: tuple[Variant, ...] = ENVELOPE
+
+    def __post_init__(self):
+        if any(not isinstance(b, int) or b < 0 for b in self.combine_thresholds):
+            raise ValueError(f"combine_thresholds must be byte sizes >= 0, got "
+                             f"{self.combine_thresholds!r}")
+        if not isinstance(self.combine_per_kind, bool):
+            raise TypeError(f"combine_per_kind must be True or False, got {self.combine_per_kind!r}")
+        if self.combine_compiles is not None and (
+                isinstance(self.combine_compiles, bool) or not isinstance(self.combine_compiles, int)
+                or self.combine_compiles < 0):
+            raise ValueError(f"combine_compiles must be an int >= 0 or None, got {self.combine_compiles!r}")
+        if self.time_budget_s is not None and self.time_budget_s != "auto" and (
+                isinstance(self.time_budget_s, bool) or not isinstance(self.time_budget_s, (int, float))
+                or not self.time_budget_s > 0):
+            raise ValueError(f"time_budget_s must be seconds > 0, 'auto' or None, got {self.time_budget_s!r}")
+        if self.memory_budget not in ("xla", "input"):
+            raise ValueError(f"memory_budget must be 'xla' or 'input', got {self.memory_budget!r}")
+        if not isinstance(self.robust, tuple) or not all(isinstance(v, Variant) for v in self.robust):
+            raise TypeError(f"robust must be a tuple of costmodel.envelope.Variant (() : off), got "
+                            f"{self.robust!r}")
+        if len({v.name for v in self.robust}) != len(self.robust):
+            raise ValueError(f"robust: variant names must be unique, got {[v.name for v in self.robust]}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,58 +168,15 @@ class Options:
     always_recompile: bool = False
     # Settings of the "decompose" pass (degrees, context limits, joint search).
     decompose: DecomposeOptions = DecomposeOptions()
-    # compile_for_target (backend-only path, with passes): also plan the program with XLA's
-    # all-reduce / all-gather / reduce-scatter combine thresholds at each of these byte
-    # sizes (one XLA compile each) and keep the fastest plan if it beats the one at the
-    # given compiler options (TargetResult.passes: the "combine_thresholds" record).
-    # XLA's buckets wait for their last member; smaller ones overlap earlier, bigger ones
-    # pay fewer latencies. () : off.
-    combine_thresholds: tuple[int, ...] = (128 << 20, 32 << 20, 8 << 20, 2 << 20, 512 << 10)
-    # Then, where two or more of those kinds carry more bytes than the smallest size, one
-    # round of coordinate descent per kind over the same sizes (a ZeRO-3 step's weight
-    # gathers and gradient reduce-scatters want different sizes): up to
-    # (len(combine_thresholds) + 1) more compiles per such kind.
-    combine_per_kind: bool = True
-    # How many candidates of that search are compiled beyond the smallest size. The smallest
-    # size is compiled first; every other candidate (each uniform size, and the per-kind
-    # round) is estimated on its module with XLA's combiners emulated
-    # (concerto_jax.deviceless.thresholds), and only the best-estimated ones with a bucket
-    # structure of their own are compiled and planned; the search keeps a real plan only.
-    # None: every candidate compiled (the estimates are still recorded beside the plans).
-    combine_compiles: int | None = 2
-    # compile_for_target: the whole call's time budget in seconds, from the call to the final
-    # compile. Where the optional searches (the combine-threshold candidates, the guard's
-    # search of the original program, the replicated-only alternative) would not fit in what
-    # is left, they are not run; the best plan found so far is kept (never one slower than
-    # stock: the final-module guard still decides) and the records say what was cut
-    # (TargetResult.cut). "auto": deviceless.budget.AUTO_BUDGET_FACTOR x stock XLA's compile
-    # of the step, at least AUTO_BUDGET_MIN_S; None: no bound.
-    time_budget_s: float | str | None = "auto"
-    # compile_for_target: the memory the "schedule" pass may plan with. "xla": up to the
-    # limit XLA's own GPU scheduler holds itself to on the target ((80 % of the device's
-    # memory - parameter and output bytes) x xla_gpu_memory_limit_slop_factor %, 95 by
-    # default), never below the peak of XLA's order; the plan under that budget and the
-    # plan held to XLA's order's peak are both judged and the faster kept (the schedule
-    # record says which, with both peaks). "input": never above the peak of XLA's order
-    # (Options.scheduler's limit alone). With "xla" and control flow, each computation
-    # plans within its share of the budget (entry 1/2, a loop body 1/4, nested 1/8, ...:
-    # ``judge.budget_share``), never below its input order's peak.
-    memory_budget: str = "xla"
+    # What compile_for_target searches beyond the passes (combine thresholds, time and memory
+    # budgets, the plausible cost models); optimize does not read it.
+    deviceless: DevicelessOptions = DevicelessOptions()
     # Persistent plan cache (concerto_jax.plan_cache): a second compile of the same step (same
     # lowered program, devices or target, plan-changing options, versions) reuses the plan and,
     # where one exists, the compiled executable, verified. "auto": $CONCERTO_JAX_CACHE_DIR, else
     # $XDG_CACHE_HOME/concerto_jax/plans, else ~/.cache/concerto_jax/plans (read at each
     # compile); a directory; None: off.
     cache_dir: str | os.PathLike | None = "auto"
-    # compile_for_target: the cost models decisions that trade extra kernels or bytes for
-    # hidden communication are judged under (costmodel.envelope.ENVELOPE: the nominal model and
-    # each configured GPU figure at both ends of its plausible range). The rewrite guard keeps a
-    # rewrite, and the combine-threshold search a threshold, only where its worst-case gain over
-    # stock XLA's program across these models is higher than without it (maximin); the
-    # final-module guard keeps our program only where it is no slower than stock's under every
-    # one (TargetResult.robust: nominal and worst-case gain per decision). () : the nominal
-    # model alone decides (no robust judgement).
-    robust: tuple[Variant, ...] = ENVELOPE
 
     def __post_init__(self):
         if isinstance(self.passes, str):
@@ -150,35 +188,17 @@ class Options:
             raise ValueError(f"unknown pass name(s) {unknown}; expected some of {sorted(known)}")
         if self.target not in CLUSTERS:
             raise ValueError(f"unknown target {self.target!r}; expected one of {sorted(CLUSTERS)}")
-        if any(not isinstance(b, int) or b < 0 for b in self.combine_thresholds):
-            raise ValueError(f"combine_thresholds must be byte sizes >= 0, got "
-                             f"{self.combine_thresholds!r}")
-        if not isinstance(self.combine_per_kind, bool):
-            raise TypeError(f"combine_per_kind must be True or False, got {self.combine_per_kind!r}")
-        if self.combine_compiles is not None and (
-                isinstance(self.combine_compiles, bool) or not isinstance(self.combine_compiles, int)
-                or self.combine_compiles < 0):
-            raise ValueError(f"combine_compiles must be an int >= 0 or None, got {self.combine_compiles!r}")
-        if self.time_budget_s is not None and self.time_budget_s != "auto" and (
-                isinstance(self.time_budget_s, bool) or not isinstance(self.time_budget_s, (int, float))
-                or not self.time_budget_s > 0):
-            raise ValueError(f"time_budget_s must be seconds > 0, 'auto' or None, got {self.time_budget_s!r}")
-        if self.memory_budget not in ("xla", "input"):
-            raise ValueError(f"memory_budget must be 'xla' or 'input', got {self.memory_budget!r}")
         if self.check_first_step not in (True, False, "auto"):
             raise ValueError(
                 f"check_first_step must be True, False or 'auto', got {self.check_first_step!r}")
         if self.first_step_reference not in ("original", "wider"):
             raise ValueError(f"first_step_reference must be 'original' or 'wider', got "
                              f"{self.first_step_reference!r}")
-        if not isinstance(self.robust, tuple) or not all(isinstance(v, Variant) for v in self.robust):
-            raise TypeError(f"robust must be a tuple of costmodel.envelope.Variant (() : off), got "
-                            f"{self.robust!r}")
-        if len({v.name for v in self.robust}) != len(self.robust):
-            raise ValueError(f"robust: variant names must be unique, got {[v.name for v in self.robust]}")
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
             raise TypeError(f"cache_dir must be a directory, 'auto' or None, got "
                             f"{type(self.cache_dir).__name__}")
+        if not isinstance(self.deviceless, DevicelessOptions):
+            raise TypeError(f"deviceless must be a DevicelessOptions, got {type(self.deviceless).__name__}")
         if not isinstance(self.compiler_options, Mapping):
             raise TypeError(
                 f"compiler_options must be a mapping of XLA option -> value, got "
@@ -206,6 +226,45 @@ GPU_DEFAULT_PASSES: tuple[str, ...] = GPU_ROUTE_PASSES if GPU_ROUTE_CHECKED else
 """Passes ``optimize`` runs when the user gives no ``Options`` and the step runs on GPUs: the
 identity until the GPU route has passed ``gpu_check`` on a GPU (``GPU_ROUTE_CHECKED``); it has
 not run on one yet."""
+
+DEVICELESS_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(DevicelessOptions))
+"""The names of ``DevicelessOptions``' fields, which ``Options`` also takes at its top level
+(the spelling before the group existed; ``Options(time_budget_s=None)`` is
+``Options(deviceless=DevicelessOptions(time_budget_s=None))``) and reads as properties."""
+
+
+def _take_deviceless_fields(init):
+    """``Options.__init__`` that moves ``DEVICELESS_FIELDS`` given at the top level into
+    ``deviceless``, with a ``DeprecationWarning`` (``dataclasses.replace`` calls it too)."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        flat = {k: kwargs.pop(k) for k in list(kwargs) if k in DEVICELESS_FIELDS}
+        if flat:
+            warnings.warn(f"Options({', '.join(f'{k}=...' for k in flat)}) is deprecated: write "
+                          f"Options(deviceless=DevicelessOptions({', '.join(f'{k}=...' for k in flat)}))",
+                          DeprecationWarning, stacklevel=2)
+            kwargs["deviceless"] = dataclasses.replace(kwargs.get("deviceless", DevicelessOptions()), **flat)
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+def _deviceless_field(name: str) -> property:
+    """A read of ``Options.<name>``: ``Options.deviceless.<name>``, with a ``DeprecationWarning``."""
+
+    def read(self):
+        warnings.warn(f"Options.{name} is deprecated: read Options.deviceless.{name}",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(self.deviceless, name)
+
+    return property(read, doc=f"Deprecated: ``deviceless.{name}``.")
+
+
+Options.__init__ = _take_deviceless_fields(Options.__init__)
+for _name in DEVICELESS_FIELDS:
+    setattr(Options, _name, _deviceless_field(_name))
+del _name
 
 _GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
 

@@ -11,6 +11,9 @@ from concerto_jax.deviceless import gpu_plugin_available
 from hlo_passes.registry import PASSES, PassOutcome
 from tests._helpers import collective_issues, scanned_target_step
 
+NO_THRESHOLD_SEARCH = concerto_jax.DevicelessOptions(combine_thresholds=())
+"""compile_for_target without its search over XLA's combine thresholds (one XLA compile each)."""
+
 needs_plugin = pytest.mark.skipif(not gpu_plugin_available(), reason="CUDA PJRT plugin missing: pip install -e .[gpu]")
 
 
@@ -128,7 +131,7 @@ def test_compile_for_target_backend_only_keeps_our_order(tmp_path):
 
     step, args = _mlp()
     res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=concerto_jax.Options(
-        passes=("schedule",), fallback=False, dump_dir=str(tmp_path), combine_thresholds=()))
+        passes=("schedule",), fallback=False, dump_dir=str(tmp_path), deviceless=NO_THRESHOLD_SEARCH))
     assert res.fallback_reason is None and res.via == "backend_only" and res.pins == 0
     assert [p.name for p in res.passes] == ["schedule"] and res.passes[0].stats["on"] == "xla_scheduled"
     assert "opt-barrier" not in res.emitted_text and "is_scheduled=true" in res.emitted_text
@@ -176,7 +179,8 @@ def test_host_callbacks_compile_for_a_target_without_its_gpu(caplog):
 
     with caplog.at_level("WARNING", logger="concerto_jax"):
         res = concerto_jax.compile_for_target(noisy, *args, target="h100_sxm_8", options=concerto_jax.Options(
-            passes=("schedule",), fallback=False, combine_thresholds=(8 << 20,)))
+            passes=("schedule",), fallback=False,
+            deviceless=concerto_jax.DevicelessOptions(combine_thresholds=(8 << 20,))))
     assert res.fallback_reason is None and res.via == "backend_only"
     for text in (res.stock_final_text, res.final_text):
         assert text.count("xla_ffi_python_gpu_callback") >= 3
@@ -199,7 +203,7 @@ def test_rotation_guard_keeps_the_faster_program_on_xlas_module(monkeypatch):
     step, args = scanned_target_step()
     res = concerto_jax.compile_for_target(
         step, *args, target="h100_sxm_8", options=concerto_jax.Options(passes=("decompose", "schedule"), fallback=False,
-                                                          combine_thresholds=()))
+                                                          deviceless=NO_THRESHOLD_SEARCH))
     stats = res.passes[0].stats
     assert stats["strategy"] == "region"
     guard = stats["rotation_guard"]
@@ -239,7 +243,7 @@ def test_backend_only_runs_rewriting_passes_before_xla(monkeypatch):
     monkeypatch.setitem(PASSES, "touch_for_test", touch)
     step, args = _mlp()
     res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=concerto_jax.Options(
-        passes=("touch_for_test", "schedule"), fallback=False, combine_thresholds=()),
+        passes=("touch_for_test", "schedule"), fallback=False, deviceless=NO_THRESHOLD_SEARCH),
         guard_rewrites=False)
     assert seen and res.via == "backend_only"
     assert [p.name for p in res.passes] == ["touch_for_test", "schedule"]
@@ -312,7 +316,7 @@ def test_rewrite_guard_keeps_the_faster_of_rewritten_and_plain_plans(monkeypatch
     monkeypatch.setattr(planning, "judge_module", counting_judge)  # the plans'
     step, args = _mlp()
     opts = concerto_jax.Options(passes=("decompose", "schedule"), fallback=False,
-                                decompose=DecomposeOptions(force_degree=2), combine_thresholds=())
+                                decompose=DecomposeOptions(force_degree=2), deviceless=NO_THRESHOLD_SEARCH)
     res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=opts)
     # The kept plan is simulated once (by the guard; measure reuses it), and the reported
     # figures are those of a fresh measure of the same modules.
@@ -353,7 +357,7 @@ def test_a_program_slower_than_stock_on_xlas_module_reports_stock(monkeypatch):
     step, args = _mlp()
     res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=concerto_jax.Options(
         passes=("decompose", "schedule"), fallback=False, decompose=DecomposeOptions(force_degree=2),
-        combine_thresholds=()))
+        deviceless=NO_THRESHOLD_SEARCH))
     assert res.via == "stock" and res.final_text == res.stock_final_text
     assert res.final_step_us == res.stock_step_us and res.emitted_text is None
     assert "simulates slower than stock's" in res.fallback_reason, res.fallback_reason
@@ -407,7 +411,7 @@ def test_rewrite_guard_tries_the_replicated_collectives_without_the_split(monkey
     ids = jax.ShapeDtypeStruct((16, 64), jnp.int32, sharding=bsh)
     y = jax.ShapeDtypeStruct((16, 64, 1024), jnp.float32, sharding=bsh)
     res = concerto_jax.compile_for_target(step, params, ids, y, target="h100_sxm_2x4", options=concerto_jax.Options(
-        passes=("decompose", "schedule"), fallback=False, combine_thresholds=(),
+        passes=("decompose", "schedule"), fallback=False, deviceless=NO_THRESHOLD_SEARCH,
         decompose=DecomposeOptions(force_degree=2)))
     dec = next(p for p in res.passes if p.name == "decompose")
     guard = dec.stats["final_module_guard"]
@@ -453,11 +457,12 @@ def test_combine_thresholds_keep_the_fastest_plan():
     from concerto_jax.deviceless.combine_search import combine_threshold_options
 
     step, args = _dp_mlp()
-    base = concerto_jax.Options(passes=("schedule",), fallback=False, combine_thresholds=())
+    base = concerto_jax.Options(passes=("schedule",), fallback=False, deviceless=NO_THRESHOLD_SEARCH)
     plain = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=base)
     assert "combine_thresholds" not in [p.name for p in plain.passes]
     tuned = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=dataclasses.replace(
-        base, combine_thresholds=(1, 8 << 20), time_budget_s=None))
+        base, deviceless=dataclasses.replace(base.deviceless, combine_thresholds=(1, 8 << 20),
+                                             time_budget_s=None)))
     rec = next(p for p in tuned.passes if p.name == "combine_thresholds")
     assert rec.stats["flags"] == sorted(combine_threshold_options(0)) and len(rec.stats["flags"]) == 3
     assert rec.stats["kind_bytes"]["all-reduce"] >= 6 * 4 << 20, rec.stats["kind_bytes"]
@@ -482,9 +487,9 @@ def test_combine_thresholds_keep_the_fastest_plan():
     if rec.stats["chosen"] == {"all-reduce": 1}:
         assert len(collective_issues(tuned.final_text, "all-reduce")) >= 6
     with pytest.raises(ValueError, match="combine_thresholds"):
-        concerto_jax.Options(combine_thresholds=(-1,))
+        concerto_jax.Options(deviceless=concerto_jax.DevicelessOptions(combine_thresholds=(-1,)))
     with pytest.raises(TypeError, match="combine_per_kind"):
-        concerto_jax.Options(combine_per_kind="yes")
+        concerto_jax.Options(deviceless=concerto_jax.DevicelessOptions(combine_per_kind="yes"))
 
 
 @needs_plugin
@@ -499,7 +504,7 @@ def test_rewrite_guard_near_tie_searches_both_programs(monkeypatch):
     step, args = _mlp()
     opts = concerto_jax.Options(passes=("decompose", "schedule"), fallback=False,
                                 decompose=DecomposeOptions(force_degree=2),
-                                combine_thresholds=(1, 8 << 20))
+                                deviceless=concerto_jax.DevicelessOptions(combine_thresholds=(1, 8 << 20)))
     res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=opts)
     dec = next(p for p in res.passes if p.name == "decompose")
     guard = dec.stats["final_module_guard"]
@@ -528,7 +533,7 @@ def test_rewrite_guard_searches_both_programs_when_the_rewrite_loses(monkeypatch
     for degree in (2, 4):
         opts = concerto_jax.Options(passes=("decompose", "schedule"), fallback=False,
                                     decompose=DecomposeOptions(force_degree=degree),
-                                    combine_thresholds=(1, 8 << 20))
+                                    deviceless=concerto_jax.DevicelessOptions(combine_thresholds=(1, 8 << 20)))
         res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=opts)
         guard = next(p for p in res.passes if p.name == "decompose").stats["final_module_guard"]
         lost = guard["rewritten_planned_us"] >= guard["without_rewrite_planned_us"]
@@ -567,8 +572,9 @@ def test_combine_thresholds_per_kind_descent():
     # robust=(): the nominal model alone chooses (the worst-case rule is tests/test_robust.py's)
     # combine_compiles=None: every candidate compiled (the pruned search: the test below)
     opts = concerto_jax.Options(passes=("schedule",), fallback=False,
-                                combine_thresholds=(1, 8 << 20, 64 << 20), robust=(),
-                                combine_compiles=None, time_budget_s=None)
+                                deviceless=concerto_jax.DevicelessOptions(
+                                    combine_thresholds=(1, 8 << 20, 64 << 20), robust=(),
+                                    combine_compiles=None, time_budget_s=None))
     res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=opts)
     rec = next(p for p in res.passes if p.name == "combine_thresholds")
     kinds = rec.stats["kind_bytes"]
@@ -606,7 +612,7 @@ def test_combine_thresholds_per_kind_descent():
                        if sk["bytes"] is not None), sk
     # combine_per_kind=False: the uniform sizes only
     off = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=dataclasses.replace(
-        opts, combine_per_kind=False))
+        opts, deviceless=dataclasses.replace(opts.deviceless, combine_per_kind=False)))
     rec_off = next(p for p in off.passes if p.name == "combine_thresholds")
     assert not rec_off.stats["per_kind_round"] and not rec_off.stats["skipped"]
     assert [c["thresholds"] for c in rec_off.stats["candidates"]] == [c["thresholds"] for c in uniform]
@@ -620,8 +626,8 @@ def test_combine_thresholds_pruned_by_the_estimate():
     # the per-kind round) estimated on its module, and only the best-estimated one with buckets
     # of its own (combine_compiles=1) compiled and planned. What is kept is a compiled plan.
     step, args = _dp_mlp(layers=4, fsdp=True)
-    opts = concerto_jax.Options(passes=("schedule",), fallback=False, robust=(), time_budget_s=None,
-                                combine_thresholds=(1, 8 << 20, 64 << 20), combine_compiles=1)
+    opts = concerto_jax.Options(passes=("schedule",), fallback=False, deviceless=concerto_jax.DevicelessOptions(
+        robust=(), time_budget_s=None, combine_thresholds=(1, 8 << 20, 64 << 20), combine_compiles=1))
     res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=opts)
     rec = next(p for p in res.passes if p.name == "combine_thresholds").stats
     est = rec["estimates"]
@@ -636,7 +642,7 @@ def test_combine_thresholds_pruned_by_the_estimate():
         assert res.planned_step_us == pytest.approx(min(c["planned_us"] for c in cands), abs=0.11)
     assert res.planned_step_us <= rec["current_planned_us"] + 0.11
     with pytest.raises(ValueError, match="combine_compiles"):
-        concerto_jax.Options(combine_compiles=-1)
+        concerto_jax.Options(deviceless=concerto_jax.DevicelessOptions(combine_compiles=-1))
 
 
 @needs_plugin
@@ -644,8 +650,8 @@ def test_time_budget_cuts_the_search_and_says_so():
     # A budget already spent when the search starts: no candidate is compiled, the plan at the
     # given thresholds is kept, and the result says what was cut.
     step, args = _dp_mlp(layers=4, fsdp=True)
-    opts = concerto_jax.Options(passes=("schedule",), fallback=False, robust=(), time_budget_s=1e-6,
-                                combine_thresholds=(1, 8 << 20))
+    opts = concerto_jax.Options(passes=("schedule",), fallback=False, deviceless=concerto_jax.DevicelessOptions(
+        robust=(), time_budget_s=1e-6, combine_thresholds=(1, 8 << 20)))
     res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=opts)
     rec = next(p for p in res.passes if p.name == "combine_thresholds")
     assert not rec.changed and rec.stats["candidates"] == [], rec.stats
@@ -655,7 +661,7 @@ def test_time_budget_cuts_the_search_and_says_so():
     assert res.final_step_us <= res.stock_step_us + 0.11  # still never slower than stock
     for bad in (0, -1, "fast", True):
         with pytest.raises(ValueError, match="time_budget_s"):
-            concerto_jax.Options(time_budget_s=bad)
+            concerto_jax.Options(deviceless=concerto_jax.DevicelessOptions(time_budget_s=bad))
 
 
 def test_xla_scheduler_memory_limit_formula():
@@ -691,7 +697,7 @@ def test_memory_budget_plans_within_xlas_limit_and_keeps_the_faster():
     from concerto_jax.deviceless.planning import xla_scheduler_memory_limit
 
     step, args = _dp_mlp(fsdp=True)
-    base = concerto_jax.Options(passes=("schedule",), fallback=False, combine_thresholds=())
+    base = concerto_jax.Options(passes=("schedule",), fallback=False, deviceless=NO_THRESHOLD_SEARCH)
     res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=base)
     rec = next(p for p in res.passes if p.name == "schedule").stats
     budget = xla_scheduler_memory_limit(hlo_passes.parse_module(res.emitted_text),
@@ -706,14 +712,14 @@ def test_memory_budget_plans_within_xlas_limit_and_keeps_the_faster():
     assert res.planned_step_us == pytest.approx(kept["planned_us"], abs=0.11)
     assert res.peak_bytes == kept["peak_bytes"] and res.memory_limit_bytes == kept["memory_limit_bytes"]
     only = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=dataclasses.replace(
-        base, memory_budget="input"))
+        base, deviceless=dataclasses.replace(base.deviceless, memory_budget="input")))
     rec_only = next(p for p in only.passes if p.name == "schedule").stats
     assert "memory_candidates" not in rec_only
     assert rec_only["memory_limit_bytes"] == rec_only["input_peak_bytes"]
     assert only.planned_step_us == pytest.approx(held["planned_us"], abs=0.11)
     assert res.planned_step_us <= only.planned_step_us + 0.11
     with pytest.raises(ValueError, match="memory_budget"):
-        concerto_jax.Options(memory_budget="all")
+        concerto_jax.Options(deviceless=concerto_jax.DevicelessOptions(memory_budget="all"))
 
 
 @needs_plugin
@@ -734,7 +740,30 @@ def test_gpu_library_calls_compile_without_the_gpu():
         return g1, jnp.linalg.cholesky(c)
 
     res = concerto_jax.compile_for_target(whitened, *args, target="h100_sxm_8", options=concerto_jax.Options(
-        passes=("schedule",), fallback=False, combine_thresholds=()))
+        passes=("schedule",), fallback=False, deviceless=NO_THRESHOLD_SEARCH))
     assert res.fallback_reason is None
     for text in (res.stock_final_text, res.final_text):
         assert 'custom_call_target="cusolver_potrf_ffi"' in text
+
+
+def test_deviceless_options_keep_their_old_top_level_spelling_with_a_warning():
+    """``Options(time_budget_s=...)`` (the spelling before ``DevicelessOptions``) still builds the
+    same options, and reads through the old names still answer, each with a DeprecationWarning;
+    what only ``compile_for_target`` reads is in the group."""
+    grouped = concerto_jax.Options(deviceless=concerto_jax.DevicelessOptions(time_budget_s=None,
+                                                                             combine_thresholds=()))
+    with pytest.warns(DeprecationWarning, match=r"deviceless=DevicelessOptions\(time_budget_s"):
+        flat = concerto_jax.Options(passes=("schedule",), time_budget_s=None, combine_thresholds=())
+    assert flat == dataclasses.replace(grouped, passes=("schedule",))
+    with pytest.warns(DeprecationWarning, match=r"Options\.deviceless\.combine_thresholds"):
+        assert flat.combine_thresholds == ()
+    with pytest.raises(ValueError, match="time_budget_s"), pytest.warns(DeprecationWarning):
+        concerto_jax.Options(time_budget_s=-1.0)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the grouped spelling and replace() warn nothing
+        again = dataclasses.replace(grouped, target="h100_pcie_8")
+    assert again.deviceless is grouped.deviceless
+    assert not {"combine_thresholds", "time_budget_s", "robust"} & {
+        f.name for f in dataclasses.fields(concerto_jax.Options)}

@@ -42,6 +42,19 @@ def test_readme_starts_with_the_two_commands():
             (ROOT / module.replace(".", "/") / "__main__.py").exists(), module
 
 
+def test_readme_options_table_names_every_option():
+    """Every field of ``Options`` and of its ``compile_for_target`` group is in the README's table."""
+    import dataclasses
+
+    import concerto_jax
+
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("## Options"):text.index("## Guarantees")]
+    missing = [f"{cls.__name__}.{f.name}" for cls in (concerto_jax.Options, concerto_jax.DevicelessOptions)
+               for f in dataclasses.fields(cls) if f"`{f.name}`" not in table]
+    assert not missing, missing
+
+
 def test_wheel_installs_our_packages_only():
     find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
     assert not [p for p in find["include"] if p.split("*")[0].split(".")[0] not in ("concerto_jax", "hlo_passes")]

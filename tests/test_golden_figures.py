@@ -75,11 +75,12 @@ def _plain(value):
 
 
 def _options(passes=()):
-    from concerto_jax import Options
+    from concerto_jax import DevicelessOptions, Options
     from concerto_jax.scheduler import ScheduleOptions
     from hlo_passes.decompose.options import DecomposeOptions
 
-    return Options(passes=tuple(passes), target=TARGET, validate_with_xla=False, time_budget_s=None,
+    return Options(passes=tuple(passes), target=TARGET, validate_with_xla=False,
+                   deviceless=DevicelessOptions(time_budget_s=None),
                    scheduler=ScheduleOptions(full_model_max_tasks=0, odd_even=None, progress=False),
                    decompose=DecomposeOptions(judge_rounds=0))
 

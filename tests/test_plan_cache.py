@@ -31,6 +31,9 @@ from hlo_passes.registry import PASSES
 from tests._helpers import assert_tree_bitwise
 from tests.workers.plan_cache_step import make_step
 
+NO_THRESHOLD_SEARCH = concerto_jax.DevicelessOptions(combine_thresholds=())
+"""compile_for_target without its search over XLA's combine thresholds (one XLA compile each)."""
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEDULE = concerto_jax.Options(passes=("schedule",))
 
@@ -165,8 +168,9 @@ def test_the_key_follows_each_of_its_parts(tmp_path, monkeypatch, fresh_code_par
         "decompose": dataclasses.replace(SCHEDULE, decompose=DecomposeOptions(region_degree=4)),
         "compiler_options": dataclasses.replace(SCHEDULE, compiler_options={"xla_cpu_enable_fast_math": True}),
         "target": dataclasses.replace(SCHEDULE, target="a100_80_8"),
-        "combine_thresholds": dataclasses.replace(SCHEDULE, combine_thresholds=()),
-        "memory_budget": dataclasses.replace(SCHEDULE, memory_budget="input"),
+        "combine_thresholds": dataclasses.replace(SCHEDULE, deviceless=NO_THRESHOLD_SEARCH),
+        "memory_budget": dataclasses.replace(
+            SCHEDULE, deviceless=dataclasses.replace(SCHEDULE.deviceless, memory_budget="input")),
     }
     keys = {name: key(options) for name, options in changed.items()}
     assert base not in keys.values() and len(set(keys.values())) == len(keys), keys
@@ -422,7 +426,7 @@ def test_compile_for_target_hit_miss_and_damage(tmp_path, monkeypatch):
     from concerto_jax.deviceless import program
 
     step, args = _target_step()
-    options = concerto_jax.Options(passes=("schedule",), combine_thresholds=(), cache_dir=str(tmp_path))
+    options = concerto_jax.Options(passes=("schedule",), deviceless=NO_THRESHOLD_SEARCH, cache_dir=str(tmp_path))
     real, compiles = program.compile_lowered, []
     monkeypatch.setattr(program, "compile_lowered",
                         lambda *a, **k: compiles.append(1) or real(*a, **k))

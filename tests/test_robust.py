@@ -136,12 +136,12 @@ def test_compare_decides_by_the_worst_case_and_reports_every_model():
 
 
 def test_options_robust_is_validated():
-    assert concerto_jax.Options().robust == ENVELOPE
-    assert concerto_jax.Options(robust=()).robust == ()
+    assert concerto_jax.Options().deviceless.robust == ENVELOPE
+    assert concerto_jax.Options(deviceless=concerto_jax.DevicelessOptions(robust=())).deviceless.robust == ()
     with pytest.raises(TypeError, match="robust"):
-        concerto_jax.Options(robust=[ENVELOPE[0]])
+        concerto_jax.Options(deviceless=concerto_jax.DevicelessOptions(robust=[ENVELOPE[0]]))
     with pytest.raises(ValueError, match="unique"):
-        concerto_jax.Options(robust=(ENVELOPE[0], ENVELOPE[0]))
+        concerto_jax.Options(deviceless=concerto_jax.DevicelessOptions(robust=(ENVELOPE[0], ENVELOPE[0])))
 
 
 def _tp_mlp(tokens=8192, d=2048, f=8192, layers=2):
@@ -173,9 +173,9 @@ LAUNCH_50US = Variant("launch_50us", CostOptions(compute=dataclasses.replace(
 the communication it hides."""
 
 
-def _opts(**kw):
-    return concerto_jax.Options(passes=("decompose", "schedule"), fallback=False, combine_thresholds=(),
-                                cache_dir=None, **kw)
+def _opts(**deviceless):
+    return concerto_jax.Options(passes=("decompose", "schedule"), fallback=False, cache_dir=None,
+                                deviceless=concerto_jax.DevicelessOptions(combine_thresholds=(), **deviceless))
 
 
 def _guard(res):
@@ -281,7 +281,8 @@ def test_bench_rewrite_column_is_decompose_alone_through_xla_scheduler():
 
     step, args = _tp_mlp(layers=1)
     row = columns(step, args, "h100_sxm_8", 1000.0,
-                  concerto_jax.Options(fallback=False, combine_thresholds=(), cache_dir=None))
+                  concerto_jax.Options(fallback=False, cache_dir=None,
+                                       deviceless=concerto_jax.DevicelessOptions(combine_thresholds=())))
     assert set(row) == set(COLUMNS)
     assert row["rewrite_xla_split"].startswith("main") and "N=" in row["rewrite_xla_split"], row
     assert row["rewrite_xla_us"] > 0

@@ -25,12 +25,15 @@ import concerto_jax
 from concerto_jax.deviceless.compile import gpu_plugin_available
 from concerto_jax.first_step import differences
 
+NO_THRESHOLD_SEARCH = concerto_jax.DevicelessOptions(combine_thresholds=())
+"""compile_for_target without its search over XLA's combine thresholds (one XLA compile each)."""
+
 PASSES = ("decompose", "schedule")
 needs_plugin = pytest.mark.skipif(not gpu_plugin_available(), reason="CUDA plugin not installed "
                                   "(python -m concerto_jax.deviceless.cuda_plugin install)")
 # compile_for_target without the combine-threshold search: each case compiles the step a few
 # times, not a dozen (the search has its own tests)
-TARGET_OPTIONS = concerto_jax.Options(passes=PASSES, fallback=False, combine_thresholds=())
+TARGET_OPTIONS = concerto_jax.Options(passes=PASSES, fallback=False, deviceless=NO_THRESHOLD_SEARCH)
 
 
 def _mlp_step(mesh, annotate: str | None = None, explicit: bool = False):

@@ -1,4 +1,4 @@
-"""The time budget of one ``compile_for_target`` call (``Options.time_budget_s``)."""
+"""The time budget of one ``compile_for_target`` call (``Options.deviceless.time_budget_s``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 log = logging.getLogger(__name__)
 
 AUTO_BUDGET_FACTOR = 5.0
-"""``Options.time_budget_s="auto"``: the budget is this many times stock XLA's compile of the step
+"""``Options.deviceless.time_budget_s="auto"``: the budget is this many times stock XLA's compile of the step
 (the compile-time goal: a first compile within 3x stock's, none above 5x)."""
 
 
@@ -19,7 +19,7 @@ AUTO_BUDGET_MIN_S = 60.0
 
 @dataclasses.dataclass
 class TimeBudget:
-    """What is left of ``Options.time_budget_s`` in one ``compile_for_target`` call, and what the
+    """What is left of ``Options.deviceless.time_budget_s`` in one ``compile_for_target`` call, and what the
     budget cut (``TargetResult.cut``)."""
 
     deadline: float | None = None  # time.perf_counter(); None: no bound
@@ -29,7 +29,7 @@ class TimeBudget:
     @classmethod
     def start(cls, options, t0: float, stock_compile_s: float) -> TimeBudget:
         """The budget of a call that began at ``t0`` (``time.perf_counter()``)."""
-        b = getattr(options, "time_budget_s", None)
+        b = options.deviceless.time_budget_s
         if b is None:
             return cls(compile_s=stock_compile_s)
         if b == "auto":

@@ -91,8 +91,8 @@ def tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: flo
     rewrite guard judges (``judge.judge_module``):
 
     1. uniform: XLA's all-reduce, all-gather and reduce-scatter thresholds all set to each
-       size of ``options.combine_thresholds``;
-    2. per kind (``options.combine_per_kind``, where two or more kinds are present): one round
+       size of ``options.deviceless.combine_thresholds``;
+    2. per kind (``options.deviceless.combine_per_kind``, where two or more kinds are present): one round
        of coordinate descent from the best so far, each kind in turn at every size and at the
        given setting, the others held. A kind whose collectives hold no more bytes in all
        than the smallest size is left as it is (every size combines it alike), and a size
@@ -111,7 +111,7 @@ def tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: flo
 
     The smallest size is compiled first; every candidate is estimated on its module
     (``_estimate_candidates``: the record's ``estimates`` and each candidate's
-    ``estimated_us``), and with ``options.combine_compiles`` only that many of the
+    ``estimated_us``), and with ``options.deviceless.combine_compiles`` only that many of the
     best-estimated ones are compiled (instead of stages 1 and 2). With a ``clock``
     (``TimeBudget``), a candidate whose compile (as long as the slowest so far, or stock's)
     does not fit in what is left is not compiled (``cut_by_time_budget``).
@@ -130,7 +130,7 @@ def tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: flo
     """
     t0 = time.perf_counter()
     progress = Progress(log, "compile_for_target: combine thresholds")
-    sizes = tuple(int(b) for b in options.combine_thresholds)
+    sizes = tuple(int(b) for b in options.deviceless.combine_thresholds)
     given, given_buckets = collectives_by_kind(current_src)
     present = [k for k in COMBINED_KINDS if given[k] > 0]
     tried: list[dict] = []
@@ -183,7 +183,7 @@ def tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: flo
         return src
 
     varied = [k for k in present if sizes and given[k] > min(sizes)]
-    per_kind = options.combine_per_kind and len(varied) >= 2
+    per_kind = options.deviceless.combine_per_kind and len(varied) >= 2
     proxy_stats: dict = {}
     if len(sizes) > 1 and present:
         # the smallest size first: its module is what the others are estimated on
@@ -197,8 +197,9 @@ def tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: flo
                 if k in estimates:
                     t["estimated_us"] = round(estimates[k], 1)
     ranked = proxy_stats.get("ranked")
-    if options.combine_compiles is not None and ranked is not None:
-        batch = [c for c in ranked[:options.combine_compiles] if key_of(c) and key_of(c) not in seen]
+    if options.deviceless.combine_compiles is not None and ranked is not None:
+        batch = [c for c in ranked[:options.deviceless.combine_compiles]
+                 if key_of(c) and key_of(c) not in seen]
         fits = len(batch)
         if clock is not None:  # as many as fit, compiled side by side (PARALLEL_COMPILE_COST)
             one = max(durations, default=clock.compile_s)

@@ -70,9 +70,9 @@ def xla_scheduler_memory_limit(module, gpu, compiler_options=None) -> int:
 def memory_budget(scheduled_src: str | None, options, cost_model) -> int | None:
     """XLA's own scheduler memory limit for the program of ``scheduled_src`` on the target
     (``xla_scheduler_memory_limit``) when ``plan_on`` should plan within it too; None where
-    it should not (``Options.memory_budget="input"``, no "schedule" pass, or a scheduler
+    it should not (``Options.deviceless.memory_budget="input"``, no "schedule" pass, or a scheduler
     limit the user set in bytes or turned off)."""
-    if (scheduled_src is None or options.memory_budget != "xla" or "schedule" not in options.passes
+    if (scheduled_src is None or options.deviceless.memory_budget != "xla" or "schedule" not in options.passes
             or options.scheduler.memory_limit_bytes is not None
             or options.scheduler.memory_limit_ratio is None):
         return None

@@ -132,11 +132,11 @@ class TargetResult:
         model (backend-only path; None otherwise).
       peak_bytes: the same for our order (never above ``memory_limit_bytes``).
       memory_limit_bytes: the limit the scheduler applied to the entry (None: none).
-      robust: the decisions judged over the plausible cost models (``Options.robust``;
+      robust: the decisions judged over the plausible cost models (``Options.deviceless.robust``;
         ``costmodel.envelope.RobustVerdict``: nominal and worst-case gain, per-model figures),
         in the order they were taken: the rewrite guard's, the combine-threshold search's,
-        the final-module guard's (ours vs stock). Empty when ``Options.robust`` is ().
-      cut: what ``Options.time_budget_s`` left out, one line each (empty: nothing).
+        the final-module guard's (ours vs stock). Empty when ``Options.deviceless.robust`` is ().
+      cut: what ``Options.deviceless.time_budget_s`` left out, one line each (empty: nothing).
     """
 
     target: str
@@ -227,7 +227,8 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
         options = dataclasses.replace(options, target=target)
     cluster = get_cluster(target)
     cost_model = CostModel(cluster)
-    envelope = Envelope(cluster, options.robust) if options.robust and guard_rewrites else None
+    robust = options.deviceless.robust
+    envelope = Envelope(cluster, robust) if robust and guard_rewrites else None
     seconds: dict = {}
     t0 = t_call = time.perf_counter()
     lowered = lower_for_target(_trace(step, abstract_args, abstract_kwargs))
@@ -343,7 +344,7 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
                   lowered=None, envelope=None, clock: TimeBudget | None = None) -> CompiledProgram:
     """The backend-only path (module docstring); raises on any failure (the caller falls back).
 
-    ``clock`` (``Options.time_budget_s``): the threshold searches and the replicated-only
+    ``clock`` (``Options.deviceless.time_budget_s``): the threshold searches and the replicated-only
     alternative run only as far as it allows.
 
     With ``guard_rewrites``, a program rewritten by the passes before XLA (decompose,
@@ -378,7 +379,7 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
         len(devices), env, device_ids=[d.id for d in devices])
     rewritten, planned = False, None
     # XLA's own scheduler limit for this program (parameters and outputs: the same for
-    # every rewrite and threshold candidate), or None (Options.memory_budget="input")
+    # every rewrite and threshold candidate), or None (Options.deviceless.memory_budget="input")
     budget = planning.memory_budget(stock_src, options, cost_model)
     if rewriting:
         t0 = time.perf_counter()
@@ -404,7 +405,7 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
                            "pipelines nor after its latency hiding scheduler; XLA_FLAGS overriding "
                            "--xla_dump_to?)")
     plan = planned or planning.plan_on(scheduled_src, options, cost_model, seconds, budget)
-    tune = bool(options.combine_thresholds and options.passes)
+    tune = bool(options.deviceless.combine_thresholds and options.passes)
 
     def scheduled_at_program(text):  # a rewritten program: XLA's pipeline on the per-device module
         def at(env_t):

@@ -1,6 +1,6 @@
 """The rewrite guard of ``compile_for_target``: a program rewritten before XLA (decompose,
 fuse_collectives, ...) is kept only where its plan on XLA's scheduled module beats the
-original's, under the nominal cost model and, with ``Options.robust``, under every plausible
+original's, under the nominal cost model and, with ``Options.deviceless.robust``, under every plausible
 one (maximin against stock); loop rotations are guarded the same way, and a dropped split
 can leave the replicated operands' collectives alone. ``program._backend_only`` runs it."""
 
@@ -41,7 +41,7 @@ class WithoutSplit:
 GUARD_RETUNE_MARGIN = 0.02
 """When the rewrite's plan loses to the original's at the given combine thresholds, or wins
 by less than this fraction of the original's, the rewrite guard does not decide there: with
-``Options.combine_thresholds`` on, both programs get the threshold search and the faster
+``Options.deviceless.combine_thresholds`` on, both programs get the threshold search and the faster
 searched plan is kept (``program._backend_only``; evoformer_dap8: dropped by 0.3 % at the
 defaults, 3 % faster than the original after both searches; a held-out DP x TP Llama step:
 16 % slower at XLA's default thresholds, where its combiners merged collectives of different
@@ -107,7 +107,7 @@ def rotation_guard(pre, pre_opts, inputs: PassInputs, scheduled_src: str, post_s
     rotation is planned on XLA's scheduled module against the same program with one rotated
     loop left as it was, for each rotated loop (one more decompose + XLA compile + plan
     each); the fastest is kept, and the decompose record gets ``rotation_guard``. With an
-    ``envelope`` (``Options.robust``), each comparison keeps the program with the rotation
+    ``envelope`` (``Options.deviceless.robust``), each comparison keeps the program with the rotation
     only where its worst-case gain over stock XLA's final module ``stock_final`` across the
     plausible cost models is at least the other's (maximin, as the rewrite guard;
     ``rotation_guard["robust"]`` holds each verdict).

@@ -19,7 +19,7 @@ structure can be emulated on that module's task graphs:
 
 The estimate is a ranking device only: which candidates are worth a compile. The search then
 compiles the best-ranked few and judges their real plans as before, so what it keeps is always
-a real, judged plan (``Options.combine_compiles``; ``None``: every candidate compiled).
+a real, judged plan (``Options.deviceless.combine_compiles``; ``None``: every candidate compiled).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from hlo_passes.ir.loops import schedulable_computations
 log = logging.getLogger(__name__)
 
 COMBINED_KINDS = ("all-reduce", "all-gather", "reduce-scatter")
-"""Collective kinds whose XLA combine threshold ``Options.combine_thresholds`` sets
+"""Collective kinds whose XLA combine threshold ``Options.deviceless.combine_thresholds`` sets
 (``autoccl.knobs.gpu_combine_threshold_options``, the flags AutoCCL's online stage 1 tunes)."""
 
 

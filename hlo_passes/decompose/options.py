@@ -128,7 +128,7 @@ class DecomposeOptions:
     # compile_for_target's rotation guard sets it when a rotation loses on XLA's module.
     rotate_skip: tuple[str, ...] = ()
     # The whole program's memory budget in bytes (compile_for_target: XLA's own scheduler
-    # limit, Options.memory_budget="xla"), or None. A rotated loop body is planned within
+    # limit, Options.deviceless.memory_budget="xla"), or None. A rotated loop body is planned within
     # the larger of its input order's limit and its share of the budget
     # (judge.budget_share), as the "schedule" pass plans it afterwards.
     memory_budget_bytes: int | None = dataclasses.field(default=None, compare=False)
