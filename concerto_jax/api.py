@@ -31,8 +31,10 @@ import numpy as np
 from concerto_jax import capture as capture_lib
 from concerto_jax import executor, jax_compat, multiprocess, pipeline, plan_cache
 from concerto_jax.first_step_policy import FirstStepPolicy, StepEntry
+from concerto_jax.gpu_route import route
 from concerto_jax.options import Options, defaults_for_platform
 from concerto_jax.report import Report
+from hlo_passes.emit import emit_scheduled
 
 log = logging.getLogger(__name__)
 
@@ -264,8 +266,6 @@ class OptimizedStep(FirstStepPolicy):
             if not self.options.fallback:
                 raise
             return self._fallback(str(e), name, len(jax.devices()), "")
-        from concerto_jax.gpu_route import route
-
         backend = route.backend_for(_platform_of(args, kwargs))
         if backend is not None:  # GPUs: our order compiled by XLA's backend only, loaded into JAX
             return route.build_entry(self, args, kwargs, options, note, backend)
@@ -360,8 +360,6 @@ def _dump(directory: str, name: str, captured: str, emitted: str) -> None:
     with open(os.path.join(directory, f"{stamp}.emitted.hlo.txt"), "w") as f:
         f.write(emitted)
     try:
-        from hlo_passes.emit import emit_scheduled
-
         scheduled = emit_scheduled(emitted)
     except Exception as e:  # noqa: BLE001 - diagnostics only
         log.warning("dump_dir: no scheduled form of %s: %s", name, e)

@@ -25,7 +25,11 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+# Public JAX only here: each function imports the internals it uses, so that a release that
+# moved one still imports the package (check_supported then names the unchecked version).
 import jax
+import jaxlib
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +63,6 @@ def parse_version(version: str) -> tuple[int, ...]:
 
 def jax_versions() -> tuple[str, str]:
     """``(jax.__version__, jaxlib.__version__)``."""
-    import jaxlib
-
     return jax.__version__, jaxlib.__version__
 
 
@@ -122,6 +124,7 @@ def collective_pipeliner_options(on: bool) -> tuple[tuple[str, str], ...]:
 
 def xla_client():
     """``jax._src.lib.xla_client`` (``CompileOptions``, ``DeviceList``, the ``hlo`` module)."""
+    # lazy: JAX internals (the note at ``import jax``)
     from jax._src.lib import xla_client as xc
 
     return xc
@@ -139,6 +142,7 @@ def hlo_module_from_proto(proto: bytes):
 
 def hlo_to_stablehlo(hlo_module) -> bytes:
     """StableHLO bytecode of a jaxlib ``HloModule`` (XLA's HLO -> MHLO -> StableHLO import)."""
+    # lazy: JAX internals (the note at ``import jax``)
     from jax._src.lib import _jax
 
     return _jax.mlir.hlo_to_stablehlo(hlo_module.as_serialized_hlo_module_proto())
@@ -147,8 +151,9 @@ def hlo_to_stablehlo(hlo_module) -> bytes:
 @contextlib.contextmanager
 def mlir_module(module_bytes: bytes | str) -> Iterator[Any]:
     """Parse StableHLO into an ``ir.Module`` inside JAX's MLIR context (yields the module)."""
+    # lazy: JAX internals (the note at ``import jax``)
     from jax._src.interpreters import mlir
-    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir import ir  # lazy: as above
 
     with mlir.make_ir_context() as ctx:
         yield ir.Module.parse(module_bytes, context=ctx)
@@ -156,6 +161,7 @@ def mlir_module(module_bytes: bytes | str) -> Iterator[Any]:
 
 def mlir_ir():
     """JAX's MLIR Python bindings (``ir``): attributes for edits inside ``mlir_module``."""
+    # lazy: JAX internals (the note at ``import jax``)
     from jax._src.lib.mlir import ir
 
     return ir
@@ -165,8 +171,6 @@ def compile_options(devices_grid, *, num_replicas: int, num_partitions: int,
                     spmd: bool, env: dict | None = None):
     """``xla_client.CompileOptions`` with a device assignment (``devices_grid``: ids,
     shape ``(num_replicas, num_partitions)``) and XLA option overrides ``env``."""
-    import numpy as np
-
     xc = xla_client()
     opts = xc.CompileOptions()
     build = opts.executable_build_options
@@ -251,8 +255,9 @@ def xla_executable(compiled) -> Any:
 
 def physical_shard_shapes(avals: Sequence, shardings: Sequence) -> list[tuple[int, ...]]:
     """Per-device shapes of outputs ``avals`` under ``shardings`` (typed keys as their data)."""
+    # lazy: JAX internals (the note at ``import jax``)
     from jax._src import core, dtypes
-    from jax._src.sharding_impls import physical_sharding
+    from jax._src.sharding_impls import physical_sharding  # lazy: as above
 
     out = []
     for aval, sharding in zip(avals, shardings, strict=True):
@@ -271,6 +276,7 @@ def lowering_without_local_backend() -> Iterator[None]:
     backend: 'gpu'``); on GPU platforms the lowering never uses it (only TPU does). Inside
     this context a missing client is ``None`` instead of an error.
     """
+    # lazy: JAX internals (the note at ``import jax``)
     from jax._src.interpreters import mlir
 
     original = mlir.ModuleContext.get_backend
@@ -303,6 +309,7 @@ def drop_host_callbacks(lowered) -> int:
 
 def topology_platforms() -> frozenset[str]:
     """Platforms JAX can describe deviceless topologies for (registered plugins)."""
+    # lazy: JAX internals (the note at ``import jax``)
     from jax._src import xla_bridge as xb
 
     return frozenset(xb._topology_factories)
@@ -310,6 +317,7 @@ def topology_platforms() -> frozenset[str]:
 
 def discover_pjrt_plugins() -> None:
     """Run JAX's plugin discovery (``jax_plugins.*``) now."""
+    # lazy: JAX internals (the note at ``import jax``)
     from jax._src import xla_bridge as xb
 
     xb._discover_and_register_pjrt_plugins()
@@ -348,6 +356,7 @@ def register_gpu_library_calls() -> dict[str, Exception]:
 
 def backends_initialized() -> bool:
     """Whether JAX has created its backends (clients) yet."""
+    # lazy: JAX internals (the note at ``import jax``)
     from jax._src import xla_bridge as xb
 
     return xb.backends_are_initialized()
@@ -422,6 +431,7 @@ def swapped_step(original, loaded_executable, *, assemble_outputs: bool):
         (jaxlib >= 0.11 reads a per-device-described output as a whole: "Shape mismatch
         during ToLiteral conversion"); costs JAX's Python dispatch on every call.
     """
+    # lazy: JAX internals (the note at ``import jax``)
     from jax._src import stages
 
     unloaded = unloaded_executable(original)
@@ -461,6 +471,7 @@ class _AssembledCall:
     __slots__ = ("inner", "__weakref__")
 
     def __init__(self, inner):
+        # lazy: JAX internals (the note at ``import jax``)
         from jax._src.interpreters import pxla
 
         out = inner.out_handler
@@ -637,6 +648,7 @@ def gpu_device_facts(device) -> dict[str, Any]:
 def profile_data_from_file(path: str):
     """jaxlib's ``ProfileData`` of an ``.xplane.pb`` file (planes -> lines -> events with
     ``name``, ``start_ns``, ``duration_ns``, ``stats``)."""
+    # lazy: JAX internals (the note at ``import jax``)
     from jax._src.lib import _profile_data
 
     return _profile_data.ProfileData.from_file(path)

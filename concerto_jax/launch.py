@@ -16,6 +16,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+import jax
+
 
 @dataclasses.dataclass(frozen=True)
 class ProcessResult:
@@ -73,8 +75,6 @@ def run_local(module: str, args: Sequence[str] = (), *, num_processes: int = 2,
 
 def init_worker(process_id: int, num_processes: int, port: int, devices_per_process: int) -> None:
     """Join the local job: CPU devices, gloo collectives, ``jax.distributed.initialize``."""
-    import jax
-
     jax.config.update("jax_num_cpu_devices", devices_per_process)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=num_processes,

@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from hlo_passes.ir import without_source_locations
 
@@ -54,8 +55,6 @@ def leader_decides(captured_text: str, build: Callable[[], dict[str, Any]]) -> d
     """
     if jax.process_count() == 1:
         return build()
-    from jax.experimental import multihost_utils
-
     leader = jax.process_index() == 0
     payload = b""
     leader_error = ""
@@ -94,7 +93,5 @@ def all_succeeded(ok: bool) -> bool:
     """True on every process iff ``ok`` is True on every process (a joint decision)."""
     if jax.process_count() == 1:
         return ok
-    from jax.experimental import multihost_utils
-
     flags = multihost_utils.process_allgather(np.array([int(ok)], dtype=np.int32))
     return bool(np.asarray(flags).all())

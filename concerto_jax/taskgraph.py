@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import heapq
 from collections.abc import Iterable, Sequence
 
 COMPUTE_STREAM = 0
@@ -152,8 +153,6 @@ class TaskGraph:
 
     def topological_order(self) -> list[int]:
         """A topological order that keeps the given task order where it can (Kahn, min-index first)."""
-        import heapq
-
         indeg = [len(p) for p in self.preds]
         heap = [i for i, d in enumerate(indeg) if d == 0]
         heapq.heapify(heap)

@@ -21,6 +21,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from concerto_jax.autoccl.plugin import size_class
+from hlo_passes.ir.parser import parse_module
 
 __all__ = ["CollectiveKey", "CollectiveSite", "assign_keys", "collective_sites"]
 
@@ -78,8 +79,6 @@ def collective_sites(hlo_text: str) -> list[CollectiveSite]:
     left out: they never call NCCL, so the tuner plugin does not see them and counting
     them would shift the occurrence indices of the collectives it does see.
     """
-    from hlo_passes.ir.parser import parse_module
-
     module = parse_module(hlo_text)
     entry = module.entry
     wrapped = _wrapped_computations(module)

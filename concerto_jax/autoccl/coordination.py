@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from concerto_jax.autoccl.space import Config, SearchSpace
 
@@ -52,7 +53,5 @@ def broadcast_decision(
     else:
         payload = np.zeros(n + 1, dtype=np.int32)
     if multi_process():
-        from jax.experimental import multihost_utils
-
         payload = np.asarray(multihost_utils.broadcast_one_to_all(payload))
     return space.decode(payload[1:]), bool(payload[0])

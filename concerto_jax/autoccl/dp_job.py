@@ -26,6 +26,19 @@ import json
 import logging
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from concerto_jax.autoccl.dp_step import compile_dp_step, count_all_reduces, make_dp_step
+from concerto_jax.autoccl.online import OnlineTuner, TunerOptions
+from concerto_jax.autoccl.search import SearchOptions
+from concerto_jax.autoccl.space import Config, IntGrid, SearchSpace
+from concerto_jax.autoccl.store import Signature
+from concerto_jax.launch import run_local
+
 __all__ = ["BUCKET_SPACE_GRID", "launch"]
 
 logger = logging.getLogger(__name__)
@@ -48,8 +61,6 @@ def launch(
     Raises:
       RuntimeError: a process failed or the timeout passed (stderr tails included).
     """
-    from concerto_jax.launch import run_local
-
     run_local(
         "concerto_jax.autoccl.dp_job",
         ["--devices", str(devices_per_process), "--num-grads", str(num_grads), "--out", out_json,
@@ -67,8 +78,6 @@ def launch(
 
 
 def _time_step(fn, params, batch, n: int) -> list[float]:
-    import jax
-
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
@@ -92,9 +101,6 @@ def _main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sweep-repeats", type=int, default=5)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"[p{args.process_id}] %(name)s: %(message)s")
-
-    import jax
-
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_num_cpu_devices", args.devices)
     jax.distributed.initialize(
@@ -103,17 +109,6 @@ def _main(argv: list[str] | None = None) -> None:
         process_id=args.process_id,
         initialization_timeout=60,
     )
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from concerto_jax.autoccl.dp_step import compile_dp_step, count_all_reduces, make_dp_step
-    from concerto_jax.autoccl.online import OnlineTuner, TunerOptions
-    from concerto_jax.autoccl.search import SearchOptions
-    from concerto_jax.autoccl.space import Config, IntGrid, SearchSpace
-    from concerto_jax.autoccl.store import Signature
-
     mesh = Mesh(np.array(jax.devices()), ("dp",))
     rng = np.random.default_rng(0)  # same on every process
     host_params = [

@@ -25,6 +25,7 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -32,6 +33,8 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
+
+import jax
 
 from concerto_jax.autoccl import knobs, plugin
 from concerto_jax.autoccl.collectives import assign_keys, collective_sites
@@ -105,15 +108,11 @@ class OnlineNccl:
         return keys, traffic
 
     def _signature(self) -> Signature:
-        import jax
-
         text = self._lowered.as_text()
         digest = hashlib.sha256(text.encode()).hexdigest()[:16]
         return Signature(f"nccl-step:{digest}", len(text), f"{jax.device_count()} devices")
 
     def __call__(self, *args):
-        import jax
-
         if self._lowered is None:
             self._lowered = self.step.lower(*args)
             self.loop = NcclTuningLoop(self._keys_for, self.options)
@@ -141,10 +140,6 @@ class OnlineNccl:
         return out
 
     def _freeze(self, cand: Candidate) -> None:
-        import dataclasses
-
-        import jax
-
         self._final = cand
         plugin.write_table(cand.rows, self.table)
         if self.store is not None and jax.process_index() == 0:

@@ -32,6 +32,8 @@ import os
 import subprocess
 import sys
 
+import jax
+
 from concerto_jax import jax_compat
 
 log = logging.getLogger(__name__)
@@ -42,8 +44,6 @@ WHEELS = ("jax-cuda13-pjrt", "jax-cuda13-plugin")
 
 def plugin_dir() -> str:
     """Where ``install`` puts the plugin (see the module docstring)."""
-    import jax
-
     default = os.path.join(os.path.expanduser("~"), ".cache", "concerto_jax",
                            f"cuda-plugin-{jax.__version__}")
     return os.environ.get("CONCERTO_JAX_CUDA_PLUGIN_DIR") or default
@@ -51,8 +51,6 @@ def plugin_dir() -> str:
 
 def install(target: str | None = None) -> str:
     """``pip install --no-deps --target`` the plugin wheels at the jax version; returns the directory."""
-    import jax
-
     target = target or plugin_dir()
     cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--upgrade",
            "--target", target] + [f"{w}=={jax.__version__}" for w in WHEELS]

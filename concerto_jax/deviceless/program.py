@@ -43,8 +43,10 @@ import os
 import time
 import warnings
 
-from concerto_jax import jax_compat, plan_cache
-from concerto_jax.deviceless import combine_search, planning, rewrite_guard
+from concerto_jax import jax_compat, pipeline, plan_cache
+from concerto_jax.capture import jit_info
+from concerto_jax.costmodel import CostModel, get_cluster
+from concerto_jax.deviceless import combine_search, pjrt_c, planning, rewrite_guard
 from concerto_jax.deviceless.budget import TimeBudget
 from concerto_jax.deviceless.compile import (
     CompileOptions,
@@ -54,7 +56,11 @@ from concerto_jax.deviceless.compile import (
     lower_for_target,
     require_gpu_plugin,
 )
+from concerto_jax.executor import replicated_compile_options
 from concerto_jax.judge.envelope import Envelope
+from concerto_jax.judge.fidelity import measure
+from concerto_jax.options import Options
+from hlo_passes.emit import emit_scheduled
 
 log = logging.getLogger(__name__)
 
@@ -212,11 +218,6 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
       RuntimeError: the step calls a cuDNN kernel and this machine has no cuDNN (JAX checks
         its version when tracing; the message says what to do).
     """
-    from concerto_jax.capture import jit_info
-    from concerto_jax.costmodel import CostModel, get_cluster
-    from concerto_jax.judge.fidelity import measure
-    from concerto_jax.options import Options
-
     if via not in ("backend_only", "pin"):
         raise ValueError(f"via must be 'backend_only' or 'pin', got {via!r}")
     jax_compat.check_supported()  # dump names, compile options, the PJRT C API: never guess
@@ -364,10 +365,6 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
     searches too. The kept plan's ``Judged`` is returned as ``planned_judged`` for
     ``judge.measure``, which then does not simulate the plan a second time.
     """
-    from concerto_jax import pipeline
-    from concerto_jax.deviceless import pjrt_c
-    from concerto_jax.executor import replicated_compile_options
-
     devices = devices_of(stock.compiled)
     env = dict(options.compiler_options)
     records: list = []
@@ -538,8 +535,6 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
 
 def _pinned(stock, options, cluster, cost_model, seconds: dict) -> CompiledProgram:
     """The pin path (module docstring); raises on any failure (the caller falls back)."""
-    from concerto_jax import pipeline
-
     t0 = time.perf_counter()
     pipeline_result = pipeline.run(stock.post_spmd_text, _pipeline_options(options),
                                    planning.pass_inputs(stock.scheduled_text or stock.after_lhs_text))
@@ -559,8 +554,6 @@ def _pinned(stock, options, cluster, cost_model, seconds: dict) -> CompiledProgr
 def _scheduled(text: str) -> str | None:
     """The emitted module as a scheduled module with async pairs (None if the emitter cannot)."""
     try:
-        from hlo_passes.emit import emit_scheduled
-
         return emit_scheduled(text)
     except Exception as e:  # noqa: BLE001 - an artifact; its failure must not stop the compile
         log.warning("scheduled emission failed: %s", e)

@@ -6,19 +6,44 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import glob
 import gzip
 import json
 import logging
+import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 import time
 import traceback
+import types
+import warnings
 from collections.abc import Callable, Sequence
+from functools import partial
+from importlib import resources
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from concerto_jax import jax_compat
+from concerto_jax.api import ConcertoFallbackWarning, optimize
+from concerto_jax.costmodel import CostModel, get_cluster, op_info
+from concerto_jax.costmodel.compute import kernel_count, work_of
+from concerto_jax.costmodel.specs import gpu_spec_from_target_config
+from concerto_jax.deviceless.compile import compile_replicated_for_target, gpu_plugin_available
+from concerto_jax.deviceless.pjrt_c import RIEGELI_SIGNATURE
+from concerto_jax.deviceless.reschedule import permute_text
 from concerto_jax.gpu_route import route
+from concerto_jax.judge import judge_module
+from concerto_jax.options import Options
+from concerto_jax.scheduler import ScheduleOptions
+from hlo_passes.ir import parse_module
+from hlo_passes.ir.loops import schedulable_computations
 
 log = logging.getLogger("concerto_jax.gpu_check")
 
@@ -107,9 +132,6 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
 
 
 def _environment_line() -> str:
-    import jax
-
-
     devs = jax.devices()
     kinds = sorted({jax_compat.gpu_device_facts(d)["device_kind"] for d in devs})
     return (f"jax {jax.__version__}, jaxlib {jax_compat.jax_versions()[1]}, backend "
@@ -119,9 +141,6 @@ def _environment_line() -> str:
 
 def _bitwise_diff(a, b) -> list[str]:
     """Leaves of two pytrees that are not bitwise equal (dtype, shape, bits)."""
-    import jax
-    import numpy as np
-
     la, ta = jax.tree.flatten(a)
     lb, tb = jax.tree.flatten(b)
     if ta != tb:
@@ -268,8 +287,6 @@ def standin_collectives(text: str) -> tuple[str, dict]:
     (a tuple of them), its start and updates are removed; the header loses the aliasing, donor,
     partition and replica settings and the instructions their shardings (one device, one
     partition). Returns the text and ``{kind: count}`` of what was replaced."""
-    from hlo_passes.ir import parse_module
-
     module = parse_module(text, source="standin")
     drop: set[str] = set()
     replace: dict[str, list] = {}
@@ -323,18 +340,15 @@ def standin_collectives(text: str) -> tuple[str, dict]:
 
 def suite_options(case, passes: Sequence[str], fast: bool):
     """``Options`` for a suite case; ``fast``: the scheduler's quick settings (no window search)."""
-    import concerto_jax
-    from concerto_jax.scheduler import ScheduleOptions
-
     sched = ScheduleOptions(odd_even=None, progress=False) if fast else ScheduleOptions(progress=False)
-    return concerto_jax.Options(passes=tuple(passes), target=case.cluster, scheduler=sched,
-                                compiler_options=dict(case.xla_options))
+    return Options(passes=tuple(passes), target=case.cluster, scheduler=sched,
+                   compiler_options=dict(case.xla_options))
 
 
 def deviceless_case(case, passes: Sequence[str], fast: bool = True):
     """``route.compile_deviceless`` of a suite case."""
+    # lazy: bench/ and models/ are not installed; only a run from the repository root imports them
     from bench.baseline import model_case
-    from concerto_jax.costmodel import get_cluster
 
     mcase, _, _ = model_case(case)
     return route.compile_deviceless(mcase.step, (mcase.abstract_state, mcase.abstract_batch),
@@ -343,10 +357,6 @@ def deviceless_case(case, passes: Sequence[str], fast: bool = True):
 
 def check_deviceless(d, case) -> str:
     """Assert what the deviceless half must give; returns the row's detail."""
-    import types
-
-    from concerto_jax.deviceless.pjrt_c import RIEGELI_SIGNATURE
-
     p = d.payload
     assert p.data.startswith(RIEGELI_SIGNATURE), f"payload starts {p.data[:8].hex()}, not Riegeli"
     assert b"PjRtStreamExecutorClient" in p.data, "no PJRT client name in the payload"
@@ -372,20 +382,16 @@ def check_deviceless(d, case) -> str:
 
 def rehearsal_checks(run: Run) -> None:
     """The JAX side of the load with CPU executables on 8 CPU devices."""
-    import jax
-
-    import concerto_jax
-
     if len(jax.devices("cpu")) < 8:
         for name in ("rehearsal/steps", "rehearsal/callbacks", "rehearsal/device_order", "negative/cpu"):
             run.skip(name, f"needs 8 CPU devices (jax_num_cpu_devices=8), have {len(jax.devices('cpu'))}")
         return
     step, make_args, _ = _mlp(jax.devices("cpu")[:8])
-    opts = concerto_jax.Options(passes=("schedule",))
+    opts = Options(passes=("schedule",))
 
     def steps() -> str:
         with route.rehearse():
-            opt = concerto_jax.optimize(step, opts)
+            opt = optimize(step, opts)
             p_ref, x = make_args(0)
             p_opt, _ = make_args(0)
             for _ in range(3):
@@ -411,7 +417,7 @@ def rehearsal_checks(run: Run) -> None:
             return new, v
 
         with route.rehearse():
-            opt = concerto_jax.optimize(cb_step, opts)
+            opt = optimize(cb_step, opts)
             p, x = make_args(1)
             got = opt(p, x)
             jax.effects_barrier()
@@ -435,14 +441,6 @@ def rehearsal_checks(run: Run) -> None:
 
 def _mlp(devices):
     """A DP x TP MLP train step over ``devices`` (8), donating its parameters."""
-    from functools import partial
-
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import AxisType, Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
-
     mesh = Mesh(np.array(devices).reshape(2, 4), ("dp", "tp"), axis_types=(AxisType.Auto,) * 2)
     xs, w1s, w2s = NamedSharding(mesh, P("dp", None)), NamedSharding(mesh, P(None, "tp")), \
         NamedSharding(mesh, P("tp", None))
@@ -469,11 +467,6 @@ def negative_checks(step, make_args, opts, backend_cls) -> str:
     """Raw bytes without a header, another device count, another compute capability: each a
     clear error before the runtime, and through ``optimize`` one warning naming the load and the
     original's outputs. ``backend_cls``: ``CpuRehearsal`` or ``GpuBackend``."""
-    import warnings
-
-    import concerto_jax
-    from concerto_jax.deviceless.pjrt_c import RIEGELI_SIGNATURE
-
     args = make_args(0)
     built = route.build(step, args, {}, opts, backend_cls())
     devices = built.stock.device_list
@@ -500,7 +493,7 @@ def negative_checks(step, make_args, opts, backend_cls) -> str:
 
         backend_cls.compile = compile_bad
         try:
-            opt = concerto_jax.optimize(step, opts)
+            opt = optimize(step, opts)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 if backend_cls is route.CpuRehearsal:
@@ -510,7 +503,7 @@ def negative_checks(step, make_args, opts, backend_cls) -> str:
                     got = opt(*make_args(4))
         finally:
             backend_cls.compile = real
-        fb = [str(w.message) for w in caught if issubclass(w.category, concerto_jax.ConcertoFallbackWarning)]
+        fb = [str(w.message) for w in caught if issubclass(w.category, ConcertoFallbackWarning)]
         assert len(fb) == 1 and "stage 'load'" in fb[0] and "LoadRefused" in fb[0], fb
         assert not _bitwise_diff(got, step(*make_args(4))), "the fallback's outputs differ"
         words.append(f"{bad}: {fb[0].split('LoadRefused: ', 1)[-1][:80]}")
@@ -522,22 +515,17 @@ def negative_checks(step, make_args, opts, backend_cls) -> str:
 def gpt_steps(devices):
     """The GPT-block train steps of item a over ``devices`` (one GPU there; the CPU rehearsal
     uses 8 CPU devices, data parallel): ``({name: (step, models.Case)}, the callback's log)``."""
-    import dataclasses as dc
-
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
+    # lazy: bench/ and models/ are not installed; only a run from the repository root imports them
     from models.gpt import PRESETS
-    from models.layouts import make_mesh
-    from models.registry import make_case
+    from models.layouts import make_mesh  # lazy: as above
+    from models.registry import make_case  # lazy: as above
 
     mesh = make_mesh("dp", (len(devices),), devices=list(devices))
     base = PRESETS["tiny"]
     out = {}
     for name, dtype in (("gpt_f32", jnp.float32), ("gpt_bf16", jnp.bfloat16)):
-        cfg = dc.replace(base, num_layers=1, hidden=256, num_heads=4, seq_len=128, batch_size=8,
-                         vocab_size=512, dtype=dtype)
+        cfg = dataclasses.replace(base, num_layers=1, hidden=256, num_heads=4, seq_len=128,
+                                  batch_size=8, vocab_size=512, dtype=dtype)
         case = make_case("gpt", "dp", cfg, mesh=mesh, materialize=True)
         out[name] = (case, dtype)
     steps = {}
@@ -567,9 +555,6 @@ def perturbed_order(text: str) -> str:
     """``text`` with its entry in another legal order: Kahn's topological sort taking the most
     recently readied instruction first (XLA's order takes them otherwise); the same text if the
     entry has only one legal order."""
-    from concerto_jax.deviceless.reschedule import permute_text
-    from hlo_passes.ir import parse_module
-
     module = parse_module(text, source="perturb")
     entry = module.entry
     names = [i.name for i in entry.instructions if i.name not in module.implicit_tuple_elements]
@@ -611,13 +596,7 @@ def route_check(name: str, step, case, passes: Sequence[str], seen: list | None 
     """Item a for one step: 3 steps of ``optimize`` (the route) bitwise equal to the plain step,
     no fallback, our order in the loaded executable's module; ``ratios`` (if given) receives
     ``{name: ours / plain}`` of the interleaved step times."""
-    import warnings
-
-    import jax
-
-    import concerto_jax
-
-    opt = concerto_jax.optimize(step, concerto_jax.Options(passes=tuple(passes), check_first_step=True))
+    opt = optimize(step, Options(passes=tuple(passes), check_first_step=True))
     batch = case.batch
     s_a, s_b = case.init_state(0), case.init_state(0)
     for k in range(3):  # bitwise equality needs a reproducible reference
@@ -637,7 +616,7 @@ def route_check(name: str, step, case, passes: Sequence[str], seen: list | None 
             bad = _bitwise_diff((s_opt, m_opt), (s_ref, m_ref))
             assert not bad, f"step {k}: differs from plain jax.jit: {bad[:5]}"
     jax.effects_barrier()
-    fb = [str(w.message) for w in caught if issubclass(w.category, concerto_jax.ConcertoFallbackWarning)]
+    fb = [str(w.message) for w in caught if issubclass(w.category, ConcertoFallbackWarning)]
     rep = opt.report()
     assert not fb and rep.optimized and rep.executable.startswith(f"backend-only ({backend}"), \
         f"the route was not used: {fb or rep.fallback_reason}"
@@ -677,10 +656,6 @@ def interleaved_step_us(fns: dict, case, rounds: int = 5, per: int = 4) -> dict:
     """Median microseconds per step of each of ``fns`` (``{name: step}``), timed in ``rounds``
     interleaved blocks of ``per`` steps from the case's initial state (donation-safe: each
     block carries its state on)."""
-    import statistics  # lazy: only the GPU half times steps
-
-    import jax  # lazy: only the GPU half times steps
-
     states = {k: case.init_state(0) for k in fns}
     times: dict = {k: [] for k in fns}
     for k, fn in fns.items():  # warm: the first call of each is not timed
@@ -701,15 +676,13 @@ def interleaved_step_us(fns: dict, case, rounds: int = 5, per: int = 4) -> dict:
 def perturbed_check(step, case) -> str:
     """Item a with a deliberately different legal order: it must be the loaded module's and the
     results must stay bitwise equal."""
-    import concerto_jax
-
     class Perturbed(route.GpuBackend):
         def plan(self, stock, options):
             p = super().plan(stock, options)
             text = perturbed_order(p.handed)
             return route.Plan(text, p.replicated, p.passes, route._sha(text))
 
-    opts = concerto_jax.Options(passes=())
+    opts = Options(passes=())
     built = route.build(step, (case.init_state(0), case.batch), {}, opts, Perturbed())
     xla_order = route.entry_order(built.stock.scheduled)
     ours = route.entry_order(built.plan.handed)
@@ -789,11 +762,6 @@ except Exception as e:
 
 
 def gpu_negative_checks(run: Run) -> None:
-    import jax
-    import jax.numpy as jnp
-
-    import concerto_jax
-
     f = jax.jit(lambda x, y: (jnp.tanh(x @ y), x.sum()))
 
     def make_args(seed=0):
@@ -801,11 +769,11 @@ def gpu_negative_checks(run: Run) -> None:
         return jax.random.normal(k1, (128, 128)), jax.random.normal(k2, (128, 128))
 
     run.check("b/through_optimize", lambda: negative_checks(
-        f, make_args, concerto_jax.Options(passes=("schedule",)), route.GpuBackend), needs_s=30)
+        f, make_args, Options(passes=("schedule",)), route.GpuBackend), needs_s=30)
 
     def two_devices() -> str:  # a payload for 2 GPUs of this kind, refused on 1
         dev = jax.devices()[0]
-        built = route.build(f, make_args(0), {}, concerto_jax.Options(passes=()), route.GpuBackend())
+        built = route.build(f, make_args(0), {}, Options(passes=()), route.GpuBackend())
         t = dataclasses.replace(route.device_target([dev]), num_devices=2, topology="1x1x2")
         try:
             p = route.compile_payload(built.plan.handed, t, 2, replicated=True)
@@ -822,12 +790,10 @@ def gpu_negative_checks(run: Run) -> None:
         dev = jax.devices()[0]
         t = route.device_target([dev])
         other = "a100_sxm_80.txtpb" if t.compute_capability != "8.0" else "h100_sxm.txtpb"
-        from importlib import resources
-
         text = resources.files("concerto_jax").joinpath("gpu_configs", other).read_text()
         bad = dataclasses.replace(t, config_text=text,
                                   compute_capability=route.config_compute_capability(text))
-        built = route.build(f, make_args(0), {}, concerto_jax.Options(passes=()), route.GpuBackend())
+        built = route.build(f, make_args(0), {}, Options(passes=()), route.GpuBackend())
         p = route.compile_payload(built.plan.handed, bad, 1, replicated=False)
         try:
             route.load_payload(built.stock.compiled, p)
@@ -856,8 +822,6 @@ class Prepared:
 
 
 def _jax_version() -> str:
-    import jax
-
     return jax.__version__
 
 
@@ -902,10 +866,6 @@ def prepare(out_dir: str, cases: Sequence, passes: Sequence[str], run: Run | Non
 def validate_prepared(prepared_dir: str, run: Run, kind: str = "NVIDIA H100 80GB HBM3") -> None:
     """Compile every prepared module backend-only for one GPU of ``kind`` (deviceless, the
     calibration's options) and cost its final module: what item c does before it runs them."""
-    import types
-
-    from concerto_jax.costmodel import CostModel, get_cluster
-
     device = types.SimpleNamespace(id=0, device_kind=kind, compute_capability="9.0", core_count=None,
                                    process_index=0)
     target = route.device_target([device])
@@ -965,14 +925,6 @@ def _predictions(final_text: str, cost_model, work: dict | None = None) -> tuple
     """``({instruction: predicted us}, {instruction: class}, predicted step us)`` of a final module;
     ``work`` (if given) receives ``{instruction: {mm_peak_us, vector_us, mem_peak_us,
     model_kernels}}``: the roofline terms at full efficiency, for refitting the model's rates."""
-    from concerto_jax.costmodel import op_info
-
-    # lazy: the cost model, only where predictions are made
-    from concerto_jax.costmodel.compute import kernel_count, work_of
-    from concerto_jax.judge import judge_module
-    from hlo_passes.ir import parse_module
-    from hlo_passes.ir.loops import schedulable_computations
-
     module = parse_module(final_text, source="final")
     pred, cls = {}, {}
     gpu = cost_model.gpu
@@ -1004,10 +956,6 @@ def _predictions(final_text: str, cost_model, work: dict | None = None) -> tuple
 def _dummy_step(entry_layout: str, device):
     """A jitted function with the parameter and result shapes of ``entry_layout`` on ``device``
     (its header and calling convention carry the stood-in module)."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
     params_text, result_text = _split_layout(entry_layout)
 
     def parse(s):
@@ -1070,11 +1018,6 @@ def calibrate_case(prepared_dir: str, case_name: str, out_dir: str, iters: int =
     modules compiled here, with this GPU's autotuning, from the modules before XLA's pipeline
     (XLA's order, compute only); else the prepared deviceless scheduled modules (default GEMM
     configurations: what a deviceless compile picks, not what a GPU runs)."""
-    import jax
-
-    from concerto_jax.costmodel import CostModel, get_cluster
-    from concerto_jax.costmodel.specs import gpu_spec_from_target_config
-
     device = jax.devices()[0]
     target = route.device_target([device])
     with open(os.path.join(prepared_dir, f"{case_name}.json")) as f:
@@ -1088,9 +1031,7 @@ def calibrate_case(prepared_dir: str, case_name: str, out_dir: str, iters: int =
         if tuned and os.path.exists(post_file):
             # XLA's whole pipeline on this GPU (its autotuning picks the GEMM and convolution
             # configurations) on the module before XLA's pipeline, collectives stood in: a
-            # deviceless compile cannot autotune, its default GEMM tiles run slower. # lazy: GPU only
-            from concerto_jax.deviceless.compile import compile_replicated_for_target
-
+            # deviceless compile cannot autotune, its default GEMM tiles run slower.
             with gzip.open(post_file, "rt") as f:
                 post, _ = standin_collectives(f.read())
             try:
@@ -1147,10 +1088,6 @@ def calibrate_case(prepared_dir: str, case_name: str, out_dir: str, iters: int =
 def _timed_step(dummy, payload, make_inputs, env: dict, iters: int) -> tuple:
     """``payload`` loaded behind ``dummy``'s header and run once, then ``iters`` timed steps:
     ``(the step, its inputs, median microseconds)``."""
-    import statistics  # lazy: only the GPU half times steps
-
-    import jax  # lazy: only the GPU half times steps
-
     loaded = route.load_payload(dummy, payload, env=env)
     run = jax_compat.swapped_step(dummy, loaded, assemble_outputs=False)
     inputs = make_inputs()
@@ -1187,9 +1124,6 @@ def instruction_of(kernel: str, instructions) -> str:
 def kernel_times(profile_dir: str, runs: int) -> dict[str, tuple[float, int]]:
     """``{HLO instruction: (device microseconds per run, launches per run)}`` of the GPU kernels
     in a profile (the kernel's ``hlo_op`` stat, else its name)."""
-    import glob
-
-
     paths = glob.glob(os.path.join(profile_dir, "**", "*.xplane.pb"), recursive=True)
     if not paths:
         raise RuntimeError(f"no .xplane.pb under {profile_dir}")
@@ -1212,8 +1146,6 @@ def kernel_times(profile_dir: str, runs: int) -> dict[str, tuple[float, int]]:
 
 def class_errors(kernels: Sequence[dict]) -> list[dict]:
     """Per program and kernel class: kernels, predicted and measured sums, relative error."""
-    import math
-
     agg: dict[tuple, list] = {}
     for k in kernels:
         if k["class"] == "unmapped" or not isinstance(k["predicted_us"], float) or math.isnan(k["predicted_us"]):
@@ -1228,8 +1160,6 @@ def class_errors(kernels: Sequence[dict]) -> list[dict]:
 
 def gpu_half(run: Run, prepared: str | None, cases: Sequence, passes: Sequence[str],
              items: Sequence[str] = ("a", "b", "c")) -> str:
-    import jax
-
     device = jax.devices()[0]
     run.check("target_config", lambda: json.dumps(dataclasses.asdict(dataclasses.replace(
         route.device_target([device]), config_text="..."))))
@@ -1290,6 +1220,7 @@ def _write_calibration(out: str, kernels: Sequence[dict], calib: Sequence[dict])
 # -- main -----------------------------------------------------------------------------------------
 
 def _select(names: str):
+    # lazy: bench/ and models/ are not installed; only a run from the repository root imports them
     from bench import suite
 
     if names == "all":
@@ -1326,8 +1257,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "jax._src", "concerto_jax.scheduler", "concerto_jax.deviceless", "concerto_jax.pipeline"):
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
-    import jax
-
     try:
         jax.config.update("jax_num_cpu_devices", 8)  # before any backend starts (the CPU rehearsal)
     except RuntimeError as e:  # backends already started (called from Python): keep theirs
@@ -1348,8 +1277,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _verdict(run)
     log.info("gpu_check on %s; results under %s", _environment_line(), args.out)
     md = ""
-    from concerto_jax.deviceless import gpu_plugin_available
-
     if not gpu_plugin_available():
         run.skip("deviceless", "the CUDA PJRT plugin is not installed")
     elif on_gpu:

@@ -4,6 +4,7 @@ the swap into JAX's executable; ``CpuRehearsal`` runs them on CPU devices."""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import glob
 import hashlib
@@ -16,9 +17,28 @@ from collections.abc import Callable, Mapping, Sequence
 from importlib import resources
 from typing import Any
 
-from concerto_jax import jax_compat, multiprocess
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from concerto_jax import executor, jax_compat, multiprocess, pipeline
+from concerto_jax.capture import Capture
+from concerto_jax.costmodel import CostModel, get_cluster
+from concerto_jax.deviceless import pjrt_c, reschedule
+from concerto_jax.deviceless.compile import (
+    CompileOptions,
+    compile_lowered,
+    compile_replicated_for_target,
+    devices_of,
+    lower_for_target,
+)
+from concerto_jax.deviceless.pjrt_c import RIEGELI_SIGNATURE
+from concerto_jax.deviceless.planning import pass_inputs
 from concerto_jax.first_step_policy import StepEntry
 from concerto_jax.jax_compat import payload_device_count
+from concerto_jax.judge import judge_module
+from concerto_jax.report import PassRecord, Report, count_collectives
+from hlo_passes.ir import parse_module
 
 log = logging.getLogger(__name__)
 
@@ -177,8 +197,6 @@ def check_payload(payload: Payload, devices: Sequence, step_devices: int) -> Non
         compiled for another device count than the devices (the runtime aborts the process
         on that) or than the step; for another compute capability than the devices'.
     """
-    from concerto_jax.deviceless.pjrt_c import RIEGELI_SIGNATURE
-
     data = payload.data
     if not data:
         raise LoadRefused("the payload is empty; expected PJRT executable bytes")
@@ -285,8 +303,6 @@ def order_kept(handed: str, final: str) -> dict:
     pos = {n: k for k, n in enumerate(b)}
     seq = [pos[n] for n in a if n in common]
     # longest increasing subsequence: the instructions XLA left in our relative order
-    import bisect
-
     tails: list[int] = []
     for x in seq:
         k = bisect.bisect_left(tails, x)
@@ -308,8 +324,6 @@ class StockCompile:
     seconds: float
 
     def as_capture(self):
-        from concerto_jax.capture import Capture
-
         return Capture(hlo_text=self.post_spmd, compiled=self.compiled, device_list=self.device_list,
                        num_partitions=len(self.device_list), seconds=self.seconds)
 
@@ -330,8 +344,6 @@ class Plan:
 
     @classmethod
     def from_json(cls, data: dict) -> Plan:
-        from concerto_jax.report import PassRecord
-
         return cls(data["handed"], bool(data["replicated"]),
                    tuple(PassRecord(**p) for p in data["passes"]), data["sha256"])
 
@@ -370,10 +382,6 @@ def plan_on_scheduled(post_spmd: str, scheduled: str | None, options,
     Raises:
       RuntimeError: no scheduled module, or our order's peak over the memory limit.
     """
-    from concerto_jax import executor, pipeline
-    from concerto_jax.costmodel import CostModel, get_cluster
-    from concerto_jax.deviceless.planning import pass_inputs
-
     cost_model = CostModel(get_cluster(options.target))
     records: list = []
     rewriting = tuple(p for p in options.passes if p not in PLAN_PASSES)
@@ -396,8 +404,6 @@ def plan_on_scheduled(post_spmd: str, scheduled: str | None, options,
                            for r in records]
     handed, record = _ordered(src, options, cost_model)
     if replicated:
-        from concerto_jax.judge import judge_module
-
         plain, plain_record = _ordered(scheduled, options, cost_model)
         ours_us, plain_us = judge_module(handed, cost_model).us, judge_module(plain, cost_model).us
         keep = ours_us < plain_us
@@ -412,8 +418,6 @@ def plan_on_scheduled(post_spmd: str, scheduled: str | None, options,
     if record is not None:
         records.append(record)
     if "pin" in options.passes:
-        from concerto_jax.report import PassRecord
-
         records.append(PassRecord("pin", False, 0.0, {"skipped": "not needed: XLA's backend keeps "
                                                                  "the handed order"}))
     return Plan(handed, replicated, tuple(records), _sha(handed), rewritten)
@@ -429,9 +433,6 @@ def _require_scheduled(src: str | None) -> str:
 
 def _ordered(src: str, options, cost_model) -> tuple[str, Any]:
     """``src`` in our order when "schedule" runs (else as is), and the schedule's record."""
-    from concerto_jax.deviceless import reschedule
-    from concerto_jax.report import PassRecord
-
     if "schedule" not in options.passes:
         return src, None
     t0 = time.perf_counter()
@@ -475,8 +476,6 @@ class GpuBackend:
         return StockCompile(compiled, post, scheduled, devices, time.perf_counter() - t0)
 
     def plan(self, stock: StockCompile, options) -> Plan:
-        from concerto_jax.deviceless.compile import compile_replicated_for_target
-
         def xla_scheduled(text: str) -> str | None:
             return compile_replicated_for_target(text, stock.device_list,
                                                  dict(options.compiler_options), after_lhs=True)[3]
@@ -495,8 +494,6 @@ def compile_payload(handed: str, target, num_devices: int, *, replicated: bool,
                     env: Mapping[str, Any] | None = None, compute_capability: str | None = None) -> Payload:
     """Backend-only compile of ``handed`` for ``target`` (a ``DeviceTarget`` or a ``Cluster``),
     deviceless, devices 0..n-1, and its serialized executable."""
-    from concerto_jax.deviceless import pjrt_c
-
     env = dict(env or {})
     ids = list(range(num_devices))
     if replicated:
@@ -536,8 +533,6 @@ class CpuRehearsal:
         return StockCompile(compiled, post, None, devices, time.perf_counter() - t0)
 
     def plan(self, stock: StockCompile, options) -> Plan:
-        from concerto_jax import pipeline
-
         result = pipeline.run(stock.post_spmd, options)
         return Plan(result.text, True, tuple(result.passes), _sha(result.text))
 
@@ -546,8 +541,6 @@ class CpuRehearsal:
 
     def compile(self, plan: Plan, devices: Sequence, target, env: Mapping[str, Any],
                 host_callbacks: Sequence) -> Payload:
-        from concerto_jax import executor
-
         ordered = sorted(devices, key=lambda d: d.id)
         exe, _ = executor.compile_replicated(plan.handed, ordered, compiler_options=env,
                                              host_callbacks=host_callbacks)
@@ -620,13 +613,8 @@ def _joint(stage: str, seconds: dict, fn: Callable[[], Any]) -> Any:
 
 def _same_everywhere(digest: str) -> bool:
     """True on every process iff every process has the same hex ``digest``."""
-    import jax
-
     if jax.process_count() == 1:
         return True
-    import numpy as np
-    from jax.experimental import multihost_utils
-
     mine = np.frombuffer(bytes.fromhex(digest), dtype=np.int32).copy()
     every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), -1)
     return bool((every == every[0]).all())
@@ -695,16 +683,12 @@ def build_entry(step, args: tuple, kwargs: dict, options, note: str, backend):
     """``api.OptimizedStep._build`` for a step the route serves: a ``StepEntry`` running ours
     (first-step check pending as ``Options.check_first_step`` says), or the original after one
     warning naming the failed stage."""
-    from concerto_jax.report import Report, count_collectives
-
     name = getattr(step._fn, "__name__", "step")
     try:
         built = build(step._fn, args, kwargs, options, backend)
     except GpuRouteError as e:
         if not step.options.fallback:
             raise
-        import jax
-
         return step._fallback(str(e), name, len(jax.devices()), "", {})
     cap = built.stock.as_capture()
     tolerance = max((p.tolerance for p in built.plan.passes), default=0.0)
@@ -728,8 +712,6 @@ def build_entry(step, args: tuple, kwargs: dict, options, note: str, backend):
         check, why = _joint_check(step, cap, args, kwargs, tolerance)
     if step.options.first_step_reference == "wider" and tolerance > 0:
         why += "; no wider-precision judge on the GPU route"
-    from hlo_passes.ir import parse_module
-
     entry = parse_module(built.stock.post_spmd, source="captured").entry
     passes = built.plan.passes
     if built.order:
@@ -759,8 +741,6 @@ def _joint_check(step, cap, args, kwargs, tolerance: float) -> tuple[bool, str]:
 
 
 def _order_record(built: Built):
-    from concerto_jax.report import PassRecord
-
     return PassRecord("backend_order", False, 0.0, dict(built.order))
 
 
@@ -781,14 +761,6 @@ def compile_deviceless(step, abstract_args: Sequence, cluster, options) -> Devic
     """Run the route's compile stages for ``cluster`` without a GPU (``step`` jitted over a
     ``target_mesh`` of it, ``abstract_args`` ShapeDtypeStructs): the same ``plan_on_scheduled``
     and ``compile_payload`` a GPU host runs, on the deviceless stock compile."""
-    from concerto_jax.deviceless.compile import (
-        CompileOptions,
-        compile_lowered,
-        compile_replicated_for_target,
-        devices_of,
-        lower_for_target,
-    )
-
     seconds: dict = {}
     env = dict(options.compiler_options)
     t0 = time.perf_counter()

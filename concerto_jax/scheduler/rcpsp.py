@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 from ortools.sat.python import cp_model
 
+from concerto_jax.scheduler.progress import Progress, SolutionProgress
 from concerto_jax.scheduler.sgs import (
     earliest_starts,
     latest_tails,
@@ -212,8 +213,6 @@ def solution_callback(params: SolverParams, what: str, scale: float = 1.0, unit:
     """A progress callback for ``solver.solve`` when ``params.progress`` (else None)."""
     if not params.progress:
         return None
-    from concerto_jax.scheduler.progress import Progress, SolutionProgress
-
     progress = Progress(logger, what)
     return SolutionProgress(progress, scale, unit) if progress.enabled else None
 
