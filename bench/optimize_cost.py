@@ -34,8 +34,10 @@ def _one(mode: str, case_spec: str) -> str:
     options = {
         "jit": None,
         "identity": concerto_jax.Options(),
-        "recompile": concerto_jax.Options(always_recompile=True, check_first_step=False),
-        "recompile+check": concerto_jax.Options(always_recompile=True, check_first_step=True),
+        "recompile": concerto_jax.Options(optimize=concerto_jax.OptimizeOptions(
+            always_recompile=True, check_first_step=False)),
+        "recompile+check": concerto_jax.Options(optimize=concerto_jax.OptimizeOptions(
+            always_recompile=True, check_first_step=True)),
     }[mode]
     step = case.step if options is None else concerto_jax.optimize(case.step, options)
     state = case.init_state(0)

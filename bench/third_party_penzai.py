@@ -77,7 +77,8 @@ def main(argv=None) -> int:
     ref_params = params_of(reference)
     failed = False
     modes = {"identity": concerto_jax.Options(fallback=False),
-             "recompile": concerto_jax.Options(fallback=False, always_recompile=True)}
+             "recompile": concerto_jax.Options(
+                 fallback=False, optimize=concerto_jax.OptimizeOptions(always_recompile=True))}
     for name, options in modes.items():
         trainer = fresh_trainer()
         opt = concerto_jax.optimize(trainer.step_fn, options)

@@ -20,7 +20,8 @@ Pipeline (one stage per module)::
       XLA's final module keeps our order
 
 Public API: ``optimize``, ``Options`` (with its option groups ``DecomposeOptions``,
-``ScheduleOptions`` and ``compile_for_target``'s ``DevicelessOptions``), ``OptimizedStep``, ``Report``,
+``ScheduleOptions``, ``optimize``'s ``OptimizeOptions`` and ``compile_for_target``'s
+``DevicelessOptions``), ``OptimizedStep``, ``Report``,
 ``ConcertoFallbackWarning``, ``FirstStepMismatch``, ``UnsupportedJaxVersion``; for a target GPU cluster without a GPU:
 ``target_mesh`` (a mesh of the cluster's deviceless devices) and
 ``compile_for_target`` (our plan compiled by XLA's GPU compiler for the target,
@@ -32,10 +33,16 @@ from concerto_jax.deviceless.compile import target_mesh
 from concerto_jax.deviceless.program import TargetFallbackWarning, TargetResult, compile_for_target
 from concerto_jax.first_step_policy import FirstStepMismatch
 from concerto_jax.jax_compat import UnsupportedJaxVersion
-from concerto_jax.options import DecomposeOptions, DevicelessOptions, Options, ScheduleOptions
+from concerto_jax.options import (
+           DecomposeOptions,
+           DevicelessOptions,
+           OptimizeOptions,
+           Options,
+           ScheduleOptions,
+)
 from concerto_jax.report import Report
 
 __all__ = ["ConcertoFallbackWarning", "DecomposeOptions", "DevicelessOptions", "FirstStepMismatch",
-           "OptimizedStep", "Options",
+           "OptimizeOptions", "OptimizedStep", "Options",
            "Report", "ScheduleOptions", "TargetFallbackWarning", "TargetResult", "UnsupportedJaxVersion", "compile_for_target",
            "optimize", "target_mesh"]

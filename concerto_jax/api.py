@@ -257,7 +257,7 @@ class OptimizedStep(FirstStepPolicy):
             options = dataclasses.replace(self.options, passes=tuple(
                 p for p in self.options.passes if p not in self._left_out))
             note = note or self._left_out_note
-        if not options.passes and not options.always_recompile:
+        if not options.passes and not options.optimize.always_recompile:
             # Identity by construction: JAX's own executable, nothing captured until report().
             return StepEntry(None, None, abstract=jax.tree.map(_abstract, (args, kwargs)))
         try:
@@ -278,7 +278,7 @@ class OptimizedStep(FirstStepPolicy):
         unverified += note
         text = cap.hlo_text if cap is not None else ""
         n_dev = cap.num_partitions if cap is not None else len(jax.devices())
-        changed = failure is None and (options.always_recompile
+        changed = failure is None and (options.optimize.always_recompile
                                        or any(p.changed for p in result.passes))
         compiled = None
         if changed:
@@ -325,7 +325,7 @@ class OptimizedStep(FirstStepPolicy):
         tolerance = max((p.tolerance for p in result.passes), default=0.0)
         check, why = self._check_decision(cap, args, kwargs, tolerance)
         wider = None
-        if check and tolerance > 0 and self.options.first_step_reference == "wider":
+        if check and tolerance > 0 and self.options.optimize.first_step_reference == "wider":
             wider, words = self._wider_judge(cap, args, kwargs)
             why += words
         report = dataclasses.replace(report, first_step_check=why + unverified)

@@ -1,6 +1,6 @@
 """First-step check: compare the first optimised call with the original step, fall back on a difference.
 
-The safety net behind ``Options.check_first_step``. On the first call of a
+The safety net behind ``Options.optimize.check_first_step``. On the first call of a
 signature whose module was recompiled, the original jitted step runs on a
 *copy* of the inputs (it may donate them) and our executable on the user's
 inputs; the outputs are compared bit for bit, or within the tolerance the
@@ -12,7 +12,7 @@ and falls back for good.
 Cost: one more compile (JAX's own, of the original step) and one more step on
 the first call; memory for a copy of the inputs and one extra set of outputs.
 
-With ``Options.first_step_reference="wider"``, outputs past the tolerance get a second
+With ``Options.optimize.first_step_reference="wider"``, outputs past the tolerance get a second
 judge: the step run in wider precision (``pipeline.wider_text``), against which the
 optimised outputs must be as accurate as the original's (``less_accurate``).
 """

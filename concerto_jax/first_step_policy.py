@@ -48,7 +48,7 @@ class StepEntry:
     rebuild: Options | None = None
     note: str = ""  # words the report's first-step check keeps (why passes were left out)
     built_with: Options | None = None  # the pipeline options this entry was built with
-    # Options.first_step_reference="wider": builds the step in wider precision (the second
+    # Options.optimize.first_step_reference="wider": builds the step in wider precision (the second
     # judge of a first step past the tolerance); None: no such judge
     wider: Callable[[], Any] | None = None
 
@@ -67,7 +67,7 @@ class FirstStepPolicy:
         """The wider-precision judge of a reassociating signature's first step (built lazily:
         only a first step past the tolerance runs it), or None where its second copy of the
         inputs does not fit under "auto"; and the report's words."""
-        if self.options.check_first_step == "auto":
+        if self.options.optimize.check_first_step == "auto":
             dyn_args, dyn_kwargs = self._static.dynamic(args, kwargs)
             fits, why = first_step.fits_in_memory(
                 jax.tree.leaves((dyn_args, dyn_kwargs)), cap.output_avals,
@@ -94,7 +94,7 @@ class FirstStepPolicy:
         pipeline runs again without those passes, with one warning. Returns
         ``(cap, result, failure, timings, words for the report)``."""
         tolerance = max((p.tolerance for p in result.passes), default=0.0)
-        if tolerance == 0 or self.options.check_first_step is False:
+        if tolerance == 0 or self.options.optimize.check_first_step is False:
             return cap, result, None, timings, ""
         check, why = self._check_decision(cap, args, kwargs, tolerance)
         # every process must run the same program: leave them out everywhere or nowhere
@@ -119,16 +119,16 @@ class FirstStepPolicy:
         """Whether to compare the first call with the original step, and the report's words.
         ``tolerance``: the passes' declared tolerance; a reassociating module is checked under
         "auto" even with compiler_options (against the original compiled with the same ones)."""
-        mode = self.options.check_first_step
+        mode = self.options.optimize.check_first_step
         if mode is False:
-            return False, "off (Options.check_first_step=False)"
+            return False, "off (OptimizeOptions.check_first_step=False)"
         if cap.has_effects:
             return False, ("skipped: the step has side effects (host callbacks) that a second "
                            "run would fire twice")
         if mode == "auto" and self.options.compiler_options and tolerance == 0:
             return False, ("skipped (auto): Options.compiler_options change XLA's compile of our "
                            "module only, so the original under JAX's defaults is no bitwise "
-                           "reference (check_first_step=True compares with the original compiled "
+                           "reference (OptimizeOptions.check_first_step=True compares with the original compiled "
                            "with the same options)")
         if mode == "auto":
             dyn_args, dyn_kwargs = self._static.dynamic(args, kwargs)
@@ -174,7 +174,7 @@ class FirstStepPolicy:
         if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves((args, kwargs))):
             raise RuntimeError("concerto_jax: the optimised executable failed after its inputs were "
                                "donated, so the original step cannot run in its place; run with "
-                               "Options(check_first_step=True) to check the first call") from error
+                               "Options(optimize=OptimizeOptions(check_first_step=True)) to check the first call") from error
         name = getattr(self._fn, "__name__", "step")
         why = (f"the optimised executable failed to run "
                f"({type(error).__name__}: {(str(error).splitlines() or [''])[0][:300]})")
@@ -243,8 +243,8 @@ class FirstStepPolicy:
             # returns the original's outputs, the next one runs the rest (checked bitwise)
             why = (f"{reason}; the passes {dropped} that reassociate sums are left out and the "
                    f"step is rebuilt with {list(rest)} at the next call")
-            if self.options.first_step_reference == "original" and failed is None:
-                why += (" (Options(first_step_reference='wider') keeps them where the outputs "
+            if self.options.optimize.first_step_reference == "original" and failed is None:
+                why += (" (Options(optimize=OptimizeOptions(first_step_reference='wider')) keeps them where the outputs "
                         "are as accurate as the original's against the step in wider precision)")
             self._warn_once(f"concerto_jax.optimize({name}): {why}", why, stacklevel=3)
             log.warning("%s: %s", name, why)

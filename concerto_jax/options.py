@@ -1,7 +1,8 @@
 """Options of ``concerto_jax.optimize`` and ``compile_for_target``: frozen dataclasses, one
 comment per field. ``Options`` holds what both entry points read (passes, target, the passes'
-own settings) and ``optimize``'s first-step check; ``Options.deviceless`` (``DevicelessOptions``)
-what only ``compile_for_target`` reads."""
+own settings, compiling and dumping the result); ``Options.optimize`` (``OptimizeOptions``) what
+only ``optimize`` reads, ``Options.deviceless`` (``DevicelessOptions``) what only
+``compile_for_target`` reads."""
 
 from __future__ import annotations
 
@@ -96,41 +97,11 @@ class DevicelessOptions:
 
 
 @dataclasses.dataclass(frozen=True)
-class Options:
-    """What ``optimize`` does to a step, and how it reports it.
+class OptimizeOptions:
+    """What only ``optimize`` reads (``Options.optimize``): the first-step check of a recompiled
+    step, what it holds a reassociating pass to, and whether an unchanged module is recompiled.
+    None of it changes a plan (the plan cache's key leaves the group out)."""
 
-    The defaults are safe: every pass that changes the program keeps the
-    results bitwise equal (they only reorder or regroup work), and any
-    internal failure falls back to the original step with one warning.
-    """
-
-    # Passes, in pipeline order; the accepted names are those of
-    # hlo_passes.registry.PASS_TABLE: "decompose" (split the computation around
-    # critical collectives; put it before "schedule"), "schedule" (RCPSP order of the
-    # program), "fuse_collectives" (merge fusible collectives into one,
-    # fused size chosen by the cost model), "pin" (opt-barriers that keep each
-    # collective's planned window through XLA's GPU scheduler). An empty tuple
-    # runs the identity pipeline (capture -> IR -> print -> execute).
-    passes: tuple[str, ...] = ()
-    # Run the IR verifier after parsing and after every pass (cheap; keep on).
-    verify: bool = True
-    # Check that XLA's own parser accepts the emitted module before compiling.
-    validate_with_xla: bool = True
-    # Extra XLA compiler options for compiling the optimised module, e.g.
-    # {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"} (values: bool/int/str).
-    compiler_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    # On an internal failure (a pass or XLA rejecting our module), warn once
-    # and run the original step. False re-raises instead (for debugging/tests).
-    fallback: bool = True
-    # If set, write the captured and the emitted HLO text of every compiled
-    # signature into this directory, with the emitted module's scheduled form
-    # (is_scheduled=true, async collective start/done pairs at planned positions).
-    dump_dir: str | None = None
-    # Target cluster whose cost model drives the passes (a name from
-    # concerto_jax.costmodel.CLUSTERS, e.g. "h100_sxm_8", "h100_sxm_2x8").
-    target: str = "h100_sxm_8"
-    # Scheduler settings of the "schedule" pass (time limits, windows, seed).
-    scheduler: ScheduleOptions = ScheduleOptions()
     # Safety net for a recompiled module: on the first call of a signature, run
     # the original step on a copy of the inputs, compare its outputs with ours
     # (bitwise, or within the tolerance the passes declare) and on a difference
@@ -166,6 +137,55 @@ class Options:
     # unchanged module runs JAX's own executable of the step (identical by
     # construction); True exercises our recompile path (tests, debugging).
     always_recompile: bool = False
+
+    def __post_init__(self):
+        if self.check_first_step not in (True, False, "auto"):
+            raise ValueError(
+                f"check_first_step must be True, False or 'auto', got {self.check_first_step!r}")
+        if self.first_step_reference not in ("original", "wider"):
+            raise ValueError(f"first_step_reference must be 'original' or 'wider', got "
+                             f"{self.first_step_reference!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What ``optimize`` does to a step, and how it reports it.
+
+    The defaults are safe: every pass that changes the program keeps the
+    results bitwise equal (they only reorder or regroup work), and any
+    internal failure falls back to the original step with one warning.
+    """
+
+    # Passes, in pipeline order; the accepted names are those of
+    # hlo_passes.registry.PASS_TABLE: "decompose" (split the computation around
+    # critical collectives; put it before "schedule"), "schedule" (RCPSP order of the
+    # program), "fuse_collectives" (merge fusible collectives into one,
+    # fused size chosen by the cost model), "pin" (opt-barriers that keep each
+    # collective's planned window through XLA's GPU scheduler). An empty tuple
+    # runs the identity pipeline (capture -> IR -> print -> execute).
+    passes: tuple[str, ...] = ()
+    # Run the IR verifier after parsing and after every pass (cheap; keep on).
+    verify: bool = True
+    # Check that XLA's own parser accepts the emitted module before compiling.
+    validate_with_xla: bool = True
+    # Extra XLA compiler options for compiling the optimised module, e.g.
+    # {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"} (values: bool/int/str).
+    compiler_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # On an internal failure (a pass or XLA rejecting our module), warn once
+    # and run the original step. False re-raises instead (for debugging/tests).
+    fallback: bool = True
+    # If set, write the captured and the emitted HLO text of every compiled
+    # signature into this directory, with the emitted module's scheduled form
+    # (is_scheduled=true, async collective start/done pairs at planned positions).
+    dump_dir: str | None = None
+    # Target cluster whose cost model drives the passes (a name from
+    # concerto_jax.costmodel.CLUSTERS, e.g. "h100_sxm_8", "h100_sxm_2x8").
+    target: str = "h100_sxm_8"
+    # Scheduler settings of the "schedule" pass (time limits, windows, seed).
+    scheduler: ScheduleOptions = ScheduleOptions()
+    # What optimize does on the first call of each signature (the first-step check) and
+    # whether it recompiles an unchanged module; compile_for_target does not read it.
+    optimize: OptimizeOptions = OptimizeOptions()
     # Settings of the "decompose" pass (degrees, context limits, joint search).
     decompose: DecomposeOptions = DecomposeOptions()
     # What compile_for_target searches beyond the passes (combine thresholds, time and memory
@@ -188,17 +208,12 @@ class Options:
             raise ValueError(f"unknown pass name(s) {unknown}; expected some of {sorted(known)}")
         if self.target not in CLUSTERS:
             raise ValueError(f"unknown target {self.target!r}; expected one of {sorted(CLUSTERS)}")
-        if self.check_first_step not in (True, False, "auto"):
-            raise ValueError(
-                f"check_first_step must be True, False or 'auto', got {self.check_first_step!r}")
-        if self.first_step_reference not in ("original", "wider"):
-            raise ValueError(f"first_step_reference must be 'original' or 'wider', got "
-                             f"{self.first_step_reference!r}")
+        for name, group in GROUPS.items():
+            if not isinstance(getattr(self, name), group):
+                raise TypeError(f"{name} must be a {group.__name__}, got {type(getattr(self, name)).__name__}")
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
             raise TypeError(f"cache_dir must be a directory, 'auto' or None, got "
                             f"{type(self.cache_dir).__name__}")
-        if not isinstance(self.deviceless, DevicelessOptions):
-            raise TypeError(f"deviceless must be a DevicelessOptions, got {type(self.deviceless).__name__}")
         if not isinstance(self.compiler_options, Mapping):
             raise TypeError(
                 f"compiler_options must be a mapping of XLA option -> value, got "
@@ -227,43 +242,52 @@ GPU_DEFAULT_PASSES: tuple[str, ...] = GPU_ROUTE_PASSES if GPU_ROUTE_CHECKED else
 identity until the GPU route has passed ``gpu_check`` on a GPU (``GPU_ROUTE_CHECKED``); it has
 not run on one yet."""
 
-DEVICELESS_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(DevicelessOptions))
-"""The names of ``DevicelessOptions``' fields, which ``Options`` also takes at its top level
-(the spelling before the group existed; ``Options(time_budget_s=None)`` is
-``Options(deviceless=DevicelessOptions(time_budget_s=None))``) and reads as properties."""
+GROUPS: dict[str, type] = {"optimize": OptimizeOptions, "deviceless": DevicelessOptions}
+"""``Options``' groups by field name: what only one entry point reads."""
+
+GROUPED_FIELDS: dict[str, str] = {f.name: group for group, cls in GROUPS.items()
+                                  for f in dataclasses.fields(cls)}
+"""Each grouped field -> its group. ``Options`` also takes these at its top level (the spelling
+before the groups existed: ``Options(time_budget_s=None)`` is
+``Options(deviceless=DevicelessOptions(time_budget_s=None))``) and reads them as properties,
+each with a ``DeprecationWarning``."""
 
 
-def _take_deviceless_fields(init):
-    """``Options.__init__`` that moves ``DEVICELESS_FIELDS`` given at the top level into
-    ``deviceless``, with a ``DeprecationWarning`` (``dataclasses.replace`` calls it too)."""
+def _take_grouped_fields(init):
+    """``Options.__init__`` that moves ``GROUPED_FIELDS`` given at the top level into their
+    group, with a ``DeprecationWarning`` (``dataclasses.replace`` calls it too)."""
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
-        flat = {k: kwargs.pop(k) for k in list(kwargs) if k in DEVICELESS_FIELDS}
-        if flat:
-            warnings.warn(f"Options({', '.join(f'{k}=...' for k in flat)}) is deprecated: write "
-                          f"Options(deviceless=DevicelessOptions({', '.join(f'{k}=...' for k in flat)}))",
+        flat = {k: kwargs.pop(k) for k in list(kwargs) if k in GROUPED_FIELDS}
+        for group, cls in GROUPS.items():
+            mine = {k: v for k, v in flat.items() if GROUPED_FIELDS[k] == group}
+            if not mine:
+                continue
+            names = ", ".join(f"{k}=..." for k in mine)
+            warnings.warn(f"Options({names}) is deprecated: write Options({group}={cls.__name__}({names}))",
                           DeprecationWarning, stacklevel=2)
-            kwargs["deviceless"] = dataclasses.replace(kwargs.get("deviceless", DevicelessOptions()), **flat)
+            kwargs[group] = dataclasses.replace(kwargs.get(group, cls()), **mine)
         init(self, *args, **kwargs)
 
     return __init__
 
 
-def _deviceless_field(name: str) -> property:
-    """A read of ``Options.<name>``: ``Options.deviceless.<name>``, with a ``DeprecationWarning``."""
+def _grouped_field(name: str) -> property:
+    """A read of ``Options.<name>``: ``Options.<group>.<name>``, with a ``DeprecationWarning``."""
+    group = GROUPED_FIELDS[name]
 
     def read(self):
-        warnings.warn(f"Options.{name} is deprecated: read Options.deviceless.{name}",
+        warnings.warn(f"Options.{name} is deprecated: read Options.{group}.{name}",
                       DeprecationWarning, stacklevel=2)
-        return getattr(self.deviceless, name)
+        return getattr(getattr(self, group), name)
 
-    return property(read, doc=f"Deprecated: ``deviceless.{name}``.")
+    return property(read, doc=f"Deprecated: ``{group}.{name}``.")
 
 
-Options.__init__ = _take_deviceless_fields(Options.__init__)
-for _name in DEVICELESS_FIELDS:
-    setattr(Options, _name, _deviceless_field(_name))
+Options.__init__ = _take_grouped_fields(Options.__init__)
+for _name in GROUPED_FIELDS:
+    setattr(Options, _name, _grouped_field(_name))
 del _name
 
 _GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})

@@ -29,12 +29,11 @@ import jax
 from concerto_jax import jax_compat
 from hlo_passes.registry import PASS_TABLE, PASSES, load
 
-PLAN_NEUTRAL = frozenset({"dump_dir", "fallback", "cache_dir", "check_first_step",
-                          "first_step_reference", "always_recompile"})
+PLAN_NEUTRAL = frozenset({"dump_dir", "fallback", "cache_dir", "optimize"})
 """Options fields left out of the key: where the modules are dumped, what a failure does, where
-the cache is, the first-step check (it decides whether a reassociating pass runs, and that
-reaches the key through ``passes``), and whether an unchanged module is recompiled (the plan is
-the same; the executable has its own key)."""
+the cache is, and ``optimize``'s group: the first-step check (it decides whether a
+reassociating pass runs, and that reaches the key through ``passes``) and whether an unchanged
+module is recompiled (the plan is the same; the executable has its own key)."""
 SOURCE_PACKAGES = ("concerto_jax", "hlo_passes")
 """The packages whose source is part of the key."""
 _SOURCE_SUFFIXES = (".py", ".txtpb", ".c", ".h")

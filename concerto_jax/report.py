@@ -33,7 +33,7 @@ class Report:
       executable: what runs: ``"original"`` (JAX's own executable of the step: the
         pipeline left the module unchanged, or the step fell back) or
         ``"recompiled"`` (our emitted module, compiled as a replicated program).
-      first_step_check: the safety net (``Options.check_first_step``): whether the
+      first_step_check: the safety net (``Options.optimize.check_first_step``): whether the
         first optimised call was compared with the original step, and what it found.
     """
 

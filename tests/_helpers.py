@@ -29,10 +29,16 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from concerto_jax.options import OptimizeOptions
+
 FULL_SWEEP = os.environ.get("CONCERTO_FULL_SWEEP") == "1"
 FULL_SCAN_MATRIX = FULL_SWEEP or os.environ.get("CONCERTO_FULL_SCAN_MATRIX") == "1"
 FAST = {"xla_backend_optimization_level": 0}
 NO_COMBINER = {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
+ALWAYS_RECOMPILE = OptimizeOptions(always_recompile=True)
+"""``optimize`` recompiles even an unchanged module (our recompile path under test)."""
+ALWAYS_RECOMPILE_CHECKED = OptimizeOptions(always_recompile=True, check_first_step=True)
+ALWAYS_RECOMPILE_UNCHECKED = OptimizeOptions(always_recompile=True, check_first_step=False)
 
 
 def bits(x) -> np.ndarray:

@@ -746,7 +746,7 @@ def test_gpu_library_calls_compile_without_the_gpu():
         assert 'custom_call_target="cusolver_potrf_ffi"' in text
 
 
-def test_deviceless_options_keep_their_old_top_level_spelling_with_a_warning():
+def test_option_groups_keep_their_old_top_level_spelling_with_a_warning():
     """``Options(time_budget_s=...)`` (the spelling before ``DevicelessOptions``) still builds the
     same options, and reads through the old names still answer, each with a DeprecationWarning;
     what only ``compile_for_target`` reads is in the group."""
@@ -767,3 +767,10 @@ def test_deviceless_options_keep_their_old_top_level_spelling_with_a_warning():
     assert again.deviceless is grouped.deviceless
     assert not {"combine_thresholds", "time_budget_s", "robust"} & {
         f.name for f in dataclasses.fields(concerto_jax.Options)}
+    # optimize's group the same way; one call may mix both
+    with pytest.warns(DeprecationWarning) as seen:
+        mixed = concerto_jax.Options(check_first_step=True, memory_budget="input")
+    assert {str(w.message).split(" is ")[0] for w in seen} == {
+        "Options(check_first_step=...)", "Options(memory_budget=...)"}
+    assert mixed.optimize == concerto_jax.OptimizeOptions(check_first_step=True)
+    assert mixed.deviceless == concerto_jax.DevicelessOptions(memory_budget="input")

@@ -229,7 +229,7 @@ def test_scanned_steps_with_decompose_close_to_plain_jit(model, layout):
     fast = concerto_jax.scheduler.ScheduleOptions(full_model_max_tasks=0, odd_even=None)
     step = concerto_jax.optimize(case.step, concerto_jax.Options(
         passes=("decompose", "schedule"), compiler_options=FAST, scheduler=fast,
-        check_first_step=True, decompose=DecomposeOptions()))
+        optimize=concerto_jax.OptimizeOptions(check_first_step=True), decompose=DecomposeOptions()))
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         step(case.init_state(0), case.batch)  # compiles; the first-step check runs
@@ -262,7 +262,8 @@ def test_carry_chunks_off_splits_the_body_alone():
     fast = concerto_jax.scheduler.ScheduleOptions(full_model_max_tasks=0, odd_even=None)
     step = concerto_jax.optimize(case.step, concerto_jax.Options(
         passes=("decompose", "schedule"), compiler_options=FAST, scheduler=fast, fallback=False,
-        check_first_step=True, decompose=DecomposeOptions(carry_chunks=False)))
+        optimize=concerto_jax.OptimizeOptions(check_first_step=True),
+        decompose=DecomposeOptions(carry_chunks=False)))
     step(case.init_state(0), case.batch)
     report = step.report()
     rec = {p.name: p for p in report.passes}["decompose"]

@@ -85,6 +85,14 @@ def _options(passes=()):
                    decompose=DecomposeOptions(judge_rounds=0))
 
 
+def _target_options(passes, thresholds=(), **kw):
+    """``_options(passes)`` for ``compile_for_target``: no fallback, these combine thresholds
+    searched (none by default), ``kw`` replaced."""
+    opts = _options(passes)
+    return dataclasses.replace(opts, fallback=False, **kw, deviceless=dataclasses.replace(
+        opts.deviceless, combine_thresholds=thresholds))
+
+
 def _cost_model():
     from concerto_jax.costmodel import CostModel, get_cluster
 
@@ -245,20 +253,19 @@ def deviceless_figures() -> dict:
     for label, passes, via, kw in (
             ("backend_only schedule", ("schedule",), "backend_only", {}),
             ("backend_only decompose+schedule thresholds", ("decompose", "schedule"), "backend_only",
-             {"combine_thresholds": (8 << 20, 512 << 10)}),
+             {"thresholds": (8 << 20, 512 << 10)}),
             ("pin schedule", ("schedule",), "pin", {})):
-        opts = dataclasses.replace(_options(passes), fallback=False, **{"combine_thresholds": (), **kw})
+        opts = _target_options(passes, **kw)
         res = concerto_jax.compile_for_target(step, *args, target=TARGET, options=opts, via=via)
         out[label] = _target_result(res)
     forced = dataclasses.replace(_options().decompose, force_degree=2)
     for label, (s, a), target, kw in (
             ("scanned decompose+schedule thresholds", _scanned(), TARGET,
-             {"combine_thresholds": (8 << 20, 512 << 10)}),
+             {"thresholds": (8 << 20, 512 << 10)}),
             ("mlp forced decompose+schedule", (step, args), TARGET, {"decompose": forced}),
             ("embedding 2x4 forced decompose+schedule", _embedding_2x4(), "h100_sxm_2x4",
              {"decompose": forced})):
-        opts = dataclasses.replace(_options(("decompose", "schedule")), fallback=False, target=target,
-                                   **{"combine_thresholds": (), **kw})
+        opts = _target_options(("decompose", "schedule"), target=target, **kw)
         res = concerto_jax.compile_for_target(s, *a, target=target, options=opts)
         out[label] = _target_result(res)
     d = compile_deviceless(step, args, get_cluster(TARGET), _options(("decompose", "schedule")))

@@ -12,7 +12,7 @@ import concerto_jax
 import hlo_passes
 from concerto_jax import executor, jax_compat
 from concerto_jax.capture import capture
-from tests._helpers import assert_tree_bitwise
+from tests._helpers import ALWAYS_RECOMPILE_UNCHECKED, assert_tree_bitwise
 from tests.test_optimize import _mesh, _mlp_step
 
 
@@ -77,8 +77,8 @@ def test_ifrt_header_length_rejects_what_is_not_a_serialized_executable():
 
 
 def _recompiled(step, args, opt_passes=("schedule",)):
-    opt = concerto_jax.optimize(step, concerto_jax.Options(passes=opt_passes, always_recompile=True,
-                                                           check_first_step=False))
+    opt = concerto_jax.optimize(step, concerto_jax.Options(passes=opt_passes,
+                                                           optimize=ALWAYS_RECOMPILE_UNCHECKED))
     opt(*args)
     return opt
 

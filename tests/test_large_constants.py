@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 import concerto_jax
 import hlo_passes
 from concerto_jax import pipeline
+from tests._helpers import ALWAYS_RECOMPILE
 
 
 def test_step_with_a_large_constant_recompiles_bitwise():
@@ -24,7 +25,7 @@ def test_step_with_a_large_constant_recompiles_bitwise():
                    in_shardings=NamedSharding(mesh, P("d", None)), out_shardings=NamedSharding(mesh, P()))
     x = jnp.ones((64, 40))
     opt = concerto_jax.optimize(step, concerto_jax.Options(
-        passes=("schedule",), always_recompile=True, fallback=False))
+        passes=("schedule",), optimize=ALWAYS_RECOMPILE, fallback=False))
     np.testing.assert_array_equal(np.asarray(opt(x)), np.asarray(step(x)))
     report = opt.report()
     assert report.executable == "recompiled" and report.first_step_check.endswith("(bitwise)")

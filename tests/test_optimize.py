@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 import concerto_jax
 from concerto_jax.executor import donated_parameters
 from hlo_passes.registry import PASSES
-from tests._helpers import assert_tree_bitwise
+from tests._helpers import ALWAYS_RECOMPILE, assert_tree_bitwise
 
 
 def _mesh(shape=(2, 4), names=("dp", "tp")):
@@ -172,7 +172,7 @@ def test_missing_dump_falls_back(monkeypatch):
     monkeypatch.setattr(capture_lib, "_read_single", lambda pattern, directory: None)
     mesh = _mesh()
     step, make_args = _mlp_step(mesh)
-    opt = concerto_jax.optimize(step, concerto_jax.Options(always_recompile=True))
+    opt = concerto_jax.optimize(step, concerto_jax.Options(optimize=ALWAYS_RECOMPILE))
     with pytest.warns(concerto_jax.ConcertoFallbackWarning, match="CaptureError"):
         got = opt(*make_args())
     assert_tree_bitwise(got, step(*make_args()))
@@ -207,7 +207,7 @@ def test_dump_dir_writes_captured_emitted_and_scheduled_modules(tmp_path):
     mesh = _mesh()
     step, make_args = _mlp_step(mesh)
     opt = concerto_jax.optimize(step, concerto_jax.Options(
-        passes=("schedule",), always_recompile=True, fallback=False, dump_dir=str(tmp_path)))
+        passes=("schedule",), optimize=ALWAYS_RECOMPILE, fallback=False, dump_dir=str(tmp_path)))
     opt(*make_args())
     names = sorted(p.name for p in tmp_path.iterdir())
     assert [n.split(".", 2)[-1] for n in names] == [

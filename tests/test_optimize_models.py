@@ -16,7 +16,7 @@ import pytest
 import concerto_jax
 import hlo_passes
 import models
-from tests._helpers import FAST, FULL_SWEEP, run_bitwise_steps
+from tests._helpers import ALWAYS_RECOMPILE_UNCHECKED, FAST, FULL_SWEEP, run_bitwise_steps
 
 # SP on GPT, ZeRO-2 on ViT, 2-D DAP on Evoformer; WideResNet (convolutions) and shard_map go
 # through the recompile in tests/test_robustness_models.py, DP x TP in tests/test_fuse_pass.py.
@@ -30,7 +30,7 @@ def test_optimized_step_is_bitwise_equal(model, layout):
     reference = case.step.lower(case.state, case.batch).compile(compiler_options=FAST)
     step = concerto_jax.optimize(case.step, concerto_jax.Options(
         passes=("schedule",), compiler_options=FAST, fallback=False,
-        always_recompile=True, check_first_step=False))
+        optimize=ALWAYS_RECOMPILE_UNCHECKED))
     run_bitwise_steps(reference, step, case, 3)
     report = step.report()
     assert report.optimized, report.fallback_reason

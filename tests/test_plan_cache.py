@@ -174,8 +174,9 @@ def test_the_key_follows_each_of_its_parts(tmp_path, monkeypatch, fresh_code_par
     }
     keys = {name: key(options) for name, options in changed.items()}
     assert base not in keys.values() and len(set(keys.values())) == len(keys), keys
-    neutral = {"dump_dir": str(tmp_path / "dump"), "fallback": False, "check_first_step": False,
-               "first_step_reference": "wider", "always_recompile": True}
+    neutral = {"dump_dir": str(tmp_path / "dump"), "fallback": False,
+               "optimize": concerto_jax.OptimizeOptions(check_first_step=False, first_step_reference="wider",
+                                                        always_recompile=True)}
     assert set(neutral) | {"cache_dir"} == plan_keys.PLAN_NEUTRAL
     for name, value in neutral.items():
         assert key(dataclasses.replace(SCHEDULE, **{name: value})) == base, name

@@ -27,7 +27,7 @@ import hlo_passes
 from concerto_jax.executor import compensate_round_trip, compile_replicated, parse_with_xla
 from hlo_passes.as_replicas import unique_all_reduce_channels
 from hlo_passes.cpu_compensation import cpu_divide_by_broadcast, cpu_widen_mixed_dots
-from tests._helpers import assert_tree_bitwise
+from tests._helpers import ALWAYS_RECOMPILE, assert_tree_bitwise
 
 
 def _mesh(shape, names):
@@ -35,7 +35,8 @@ def _mesh(shape, names):
 
 
 def _optimized(step, *args):
-    opt = concerto_jax.optimize(step, concerto_jax.Options(fallback=False, always_recompile=True))
+    opt = concerto_jax.optimize(step, concerto_jax.Options(fallback=False,
+                                                           optimize=ALWAYS_RECOMPILE))
     return opt, opt(*args)
 
 

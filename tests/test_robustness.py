@@ -21,10 +21,16 @@ from concerto_jax import capture as capture_lib
 from concerto_jax import first_step
 from concerto_jax.custom_calls import UnsupportedCustomCall, check_carryable, custom_calls
 from hlo_passes.registry import PASSES, PassOutcome
-from tests._helpers import assert_tree_bitwise
+from tests._helpers import (
+    ALWAYS_RECOMPILE,
+    ALWAYS_RECOMPILE_CHECKED,
+    ALWAYS_RECOMPILE_UNCHECKED,
+    assert_tree_bitwise,
+)
 
 IDENTITY = concerto_jax.Options(fallback=False)
-RECOMPILE = concerto_jax.Options(fallback=False, always_recompile=True, check_first_step=False)
+RECOMPILE = concerto_jax.Options(fallback=False,
+                                 optimize=ALWAYS_RECOMPILE_UNCHECKED)
 PATHS = {"identity": IDENTITY, "recompile": RECOMPILE}
 
 
@@ -121,12 +127,12 @@ def test_lost_host_callbacks_fall_back_instead_of_crashing(monkeypatch):
     mesh = _mesh()
     log = []
     step, make_args = _callback_step(mesh, "io_callback", log)
-    opt = concerto_jax.optimize(step, concerto_jax.Options(always_recompile=True))
+    opt = concerto_jax.optimize(step, concerto_jax.Options(optimize=ALWAYS_RECOMPILE))
     with pytest.warns(concerto_jax.ConcertoFallbackWarning, match="UnsupportedCustomCall"):
         w, v = opt(*make_args(0))
     jax.effects_barrier()
     assert not opt.report().optimized and len(log) == 1
-    strict = concerto_jax.optimize(step, concerto_jax.Options(always_recompile=True, fallback=False))
+    strict = concerto_jax.optimize(step, concerto_jax.Options(optimize=ALWAYS_RECOMPILE, fallback=False))
     with pytest.raises(UnsupportedCustomCall, match="callback #0"):
         strict(*make_args(0))
 
@@ -389,14 +395,14 @@ def test_first_step_check_catches_a_difference_and_falls_back(monkeypatch):
         warnings.simplefilter("error")
         assert_tree_bitwise(opt(*make_args()), step(*make_args()))  # original from now on, no new warning
 
-    strict = concerto_jax.optimize(step, concerto_jax.Options(passes=("schedule",), fallback=False,
-                                                              check_first_step=True))
+    strict = concerto_jax.optimize(step, concerto_jax.Options(
+        passes=("schedule",), fallback=False, optimize=concerto_jax.OptimizeOptions(check_first_step=True)))
     with pytest.raises(concerto_jax.FirstStepMismatch, match="differs"):
         strict(*make_args())
 
     # Without the check, the wrong pass goes through: the check is what caught it.
-    unchecked = concerto_jax.optimize(step, concerto_jax.Options(passes=("schedule",),
-                                                                 check_first_step=False))
+    unchecked = concerto_jax.optimize(step, concerto_jax.Options(
+        passes=("schedule",), optimize=concerto_jax.OptimizeOptions(check_first_step=False)))
     got = unchecked(*make_args())
     assert not np.array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
@@ -428,7 +434,7 @@ def test_an_optimised_step_that_fails_to_run_falls_back(monkeypatch):
     mesh = _mesh()
     step, make_args = _mlp_step(mesh)
     _our_executable_fails(monkeypatch, step)
-    opt = concerto_jax.optimize(step, concerto_jax.Options(always_recompile=True, check_first_step=True))
+    opt = concerto_jax.optimize(step, concerto_jax.Options(optimize=ALWAYS_RECOMPILE_CHECKED))
     with pytest.warns(concerto_jax.ConcertoFallbackWarning, match="failed to run .*simulated failure"):
         got = opt(*make_args())
     assert_tree_bitwise(got, step(*make_args()))  # the original's outputs
@@ -436,7 +442,7 @@ def test_an_optimised_step_that_fails_to_run_falls_back(monkeypatch):
     assert not rep.optimized and rep.executable == "original"
     assert rep.first_step_check.startswith("ran: FAILED TO RUN")
     assert_tree_bitwise(opt(*make_args()), step(*make_args()))  # the original from now on
-    strict = concerto_jax.optimize(step, concerto_jax.Options(always_recompile=True, check_first_step=True,
+    strict = concerto_jax.optimize(step, concerto_jax.Options(optimize=ALWAYS_RECOMPILE_CHECKED,
                                                               fallback=False))
     with pytest.raises(RuntimeError, match="simulated failure"):
         strict(*make_args())
@@ -445,8 +451,8 @@ def test_an_optimised_step_that_fails_to_run_falls_back(monkeypatch):
 def test_first_step_check_passes_and_reports(monkeypatch):
     mesh = _mesh()
     step, make_args = _mlp_step(mesh)
-    opt = concerto_jax.optimize(step, concerto_jax.Options(always_recompile=True))
-    assert opt.options.check_first_step == "auto"
+    opt = concerto_jax.optimize(step, concerto_jax.Options(optimize=ALWAYS_RECOMPILE))
+    assert opt.options.optimize.check_first_step == "auto"
     args = make_args()
     got = opt(*args)
     assert args[0].is_deleted()
@@ -458,11 +464,10 @@ def test_first_step_check_passes_and_reports(monkeypatch):
 
     # "auto" skips the check when the copies would not fit in half of the free memory.
     monkeypatch.setattr(first_step, "_host_available_bytes", lambda: 1000)
-    tight = concerto_jax.optimize(step, concerto_jax.Options(always_recompile=True))
+    tight = concerto_jax.optimize(step, concerto_jax.Options(optimize=ALWAYS_RECOMPILE))
     assert_tree_bitwise(tight(*make_args()), step(*make_args()))
     assert tight.report().first_step_check.startswith("skipped (auto)")
-    forced = concerto_jax.optimize(step, concerto_jax.Options(always_recompile=True,
-                                                              check_first_step=True))
+    forced = concerto_jax.optimize(step, concerto_jax.Options(optimize=ALWAYS_RECOMPILE_CHECKED))
     forced(*make_args())
     assert forced.report().first_step_check.startswith("ran:")
 
@@ -497,7 +502,7 @@ def test_an_unchecked_step_that_fails_to_run_falls_back(monkeypatch):
     mesh = _mesh()
     step, make_args = _mlp_step(mesh)
     calls = _our_executable_fails(monkeypatch, step)
-    opt = concerto_jax.optimize(step, concerto_jax.Options(always_recompile=True, check_first_step=False))
+    opt = concerto_jax.optimize(step, concerto_jax.Options(optimize=ALWAYS_RECOMPILE_UNCHECKED))
     with pytest.warns(concerto_jax.ConcertoFallbackWarning, match="failed to run .*simulated failure"):
         got = opt(*make_args())
     assert calls == [1]
@@ -506,7 +511,7 @@ def test_an_unchecked_step_that_fails_to_run_falls_back(monkeypatch):
     assert not rep.optimized and rep.executable == "original" and "simulated failure" in rep.fallback_reason
     assert_tree_bitwise(opt(*make_args()), step(*make_args()))
     assert calls == [1], "the failed executable must not run again"
-    strict = concerto_jax.optimize(step, concerto_jax.Options(always_recompile=True, check_first_step=False,
+    strict = concerto_jax.optimize(step, concerto_jax.Options(optimize=ALWAYS_RECOMPILE_UNCHECKED,
                                                               fallback=False))
     with pytest.raises(RuntimeError, match="simulated failure"):
         strict(*make_args())

@@ -21,7 +21,7 @@ import pytest
 import concerto_jax
 import models
 from models import variants
-from tests._helpers import FAST, FULL_SWEEP, tree_diff
+from tests._helpers import ALWAYS_RECOMPILE_UNCHECKED, FAST, FULL_SWEEP, tree_diff
 
 SCANNED = {"gpt", "vit", "evoformer"}
 CASES = models.list_cases()
@@ -53,7 +53,7 @@ def _check(model, layout, features):
     args = v.make_args(0)
     reference = v.step.lower(*args).compile(compiler_options=FAST)
     opt = concerto_jax.optimize(v.step, concerto_jax.Options(
-        always_recompile=True, compiler_options=FAST, check_first_step=False, fallback=False))
+        optimize=ALWAYS_RECOMPILE_UNCHECKED, compiler_options=FAST, fallback=False))
     ref, got = v.make_args(0), v.make_args(0)
     for i in range(2):
         ref = reference(*ref)
@@ -124,7 +124,7 @@ def test_default_options_are_bitwise_on_a_case_the_recompile_got_wrong(recompile
     cfg = dataclasses.replace(MODELS["evoformer"].config("tiny"), dtype=jax.numpy.bfloat16)
     case = models.make_case("evoformer", "dp", cfg, materialize=True, scan_layers=True, remat=True)
     opt = concerto_jax.optimize(case.step, concerto_jax.Options(
-        always_recompile=True, check_first_step=False, fallback=False)) if recompile else \
+        optimize=ALWAYS_RECOMPILE_UNCHECKED, fallback=False)) if recompile else \
         concerto_jax.optimize(case.step)
     ref_state, got_state = case.init_state(0), case.init_state(0)
     # Reference through a separate compile of the same lowering (not the jit cache optimize

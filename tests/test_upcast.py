@@ -178,7 +178,7 @@ def _corrupted_first_call(monkeypatch, fp8_input: bool = False):
     step, ws, state, x = _bf16_adam_step(fp8_input)
     want = step(ws, state, x)
     opt = concerto_jax.optimize(step, concerto_jax.Options(
-        passes=("corrupt", "schedule"), first_step_reference="wider"))
+        passes=("corrupt", "schedule"), optimize=concerto_jax.OptimizeOptions(first_step_reference="wider")))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = opt(ws, state, x)
@@ -214,7 +214,8 @@ def test_wider_judge_keeps_an_exact_split_of_a_bf16_adam_step():
     v = variants.make_variant("gpt", "dp_tp", ("bf16", "dropout"))
     want = v.step(*v.make_args(0))
     opt = concerto_jax.optimize(v.step, concerto_jax.Options(
-        passes=("decompose", "schedule"), first_step_reference="wider"))
+        passes=("decompose", "schedule"),
+        optimize=concerto_jax.OptimizeOptions(first_step_reference="wider")))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = opt(*v.make_args(0))

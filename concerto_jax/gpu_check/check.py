@@ -40,7 +40,7 @@ from concerto_jax.deviceless.pjrt_c import RIEGELI_SIGNATURE
 from concerto_jax.deviceless.reschedule import permute_text
 from concerto_jax.gpu_route import route
 from concerto_jax.judge import judge_module
-from concerto_jax.options import Options
+from concerto_jax.options import OptimizeOptions, Options
 from concerto_jax.scheduler import ScheduleOptions
 from hlo_passes.ir import parse_module
 from hlo_passes.ir.loops import schedulable_computations
@@ -596,7 +596,7 @@ def route_check(name: str, step, case, passes: Sequence[str], seen: list | None 
     """Item a for one step: 3 steps of ``optimize`` (the route) bitwise equal to the plain step,
     no fallback, our order in the loaded executable's module; ``ratios`` (if given) receives
     ``{name: ours / plain}`` of the interleaved step times."""
-    opt = optimize(step, Options(passes=tuple(passes), check_first_step=True))
+    opt = optimize(step, Options(passes=tuple(passes), optimize=OptimizeOptions(check_first_step=True)))
     batch = case.batch
     s_a, s_b = case.init_state(0), case.init_state(0)
     for k in range(3):  # bitwise equality needs a reproducible reference

@@ -681,7 +681,7 @@ def _dump(directory: str, name: str, stock: StockCompile, plan: Plan, payload: P
 
 def build_entry(step, args: tuple, kwargs: dict, options, note: str, backend):
     """``api.OptimizedStep._build`` for a step the route serves: a ``StepEntry`` running ours
-    (first-step check pending as ``Options.check_first_step`` says), or the original after one
+    (first-step check pending as ``Options.optimize.check_first_step`` says), or the original after one
     warning naming the failed stage."""
     name = getattr(step._fn, "__name__", "step")
     try:
@@ -693,7 +693,7 @@ def build_entry(step, args: tuple, kwargs: dict, options, note: str, backend):
     cap = built.stock.as_capture()
     tolerance = max((p.tolerance for p in built.plan.passes), default=0.0)
     check, why = _joint_check(step, cap, args, kwargs, tolerance)
-    if tolerance > 0 and not check and step.options.check_first_step is not False:
+    if tolerance > 0 and not check and step.options.optimize.check_first_step is not False:
         # a pass that reassociates sums runs only where the first-step check verifies it
         dropped = sorted({p.name for p in built.plan.passes if p.tolerance > 0})
         reason = (f"the passes {dropped} reassociate sums (declared relative tolerance "
@@ -710,7 +710,7 @@ def build_entry(step, args: tuple, kwargs: dict, options, note: str, backend):
             return step._fallback(str(e), name, len(built.stock.device_list), built.stock.post_spmd, {})
         tolerance = 0.0
         check, why = _joint_check(step, cap, args, kwargs, tolerance)
-    if step.options.first_step_reference == "wider" and tolerance > 0:
+    if step.options.optimize.first_step_reference == "wider" and tolerance > 0:
         why += "; no wider-precision judge on the GPU route"
     entry = parse_module(built.stock.post_spmd, source="captured").entry
     passes = built.plan.passes
