@@ -45,7 +45,7 @@ class PipelineResult:
     def from_json(cls, data: dict) -> PipelineResult:
         """Inverse of ``to_json``."""
         data = dict(data)
-        data["passes"] = tuple(PassRecord(**p) for p in data["passes"])
+        data["passes"] = tuple(PassRecord.from_dict(p) for p in data["passes"])
         return cls(**data)
 
 
@@ -111,7 +111,7 @@ def run(hlo_text: str, options: Options, inputs: PassInputs = NO_INPUTS) -> Pipe
         if options.verify:
             verify(module)
         records.append(PassRecord(name, outcome.changed, time.perf_counter() - t, outcome.stats,
-                                  outcome.tolerance))
+                                  outcome.tolerance, tuple(outcome.retries)))
         log.info("pass %s: changed=%s %s", name, outcome.changed, outcome.stats)
     timings["passes"] = time.perf_counter() - t_passes
 

@@ -301,7 +301,7 @@ class TargetCache:
                     module = parse_module(fields[field], source=f"plan cache {blob}")
                     if field == "emitted_text":
                         verify(module)
-            fields["passes"] = tuple(PassRecord(**p) for p in fields["passes"])
+            fields["passes"] = tuple(PassRecord.from_dict(p) for p in fields["passes"])
             fields["robust"] = tuple(RobustVerdict.from_dict(v) for v in fields.get("robust", ()))
             fields["cut"] = tuple(fields.get("cut", ()))
         except Exception as e:  # noqa: BLE001 - whatever is wrong, the entry is not trusted

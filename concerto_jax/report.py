@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
+from hlo_passes.registry import Retry
+
 
 @dataclasses.dataclass(frozen=True)
 class PassRecord:
@@ -15,6 +17,14 @@ class PassRecord:
     seconds: float
     stats: dict = dataclasses.field(default_factory=dict)
     tolerance: float = 0.0  # relative difference from the original allowed (0: bitwise)
+    retries: tuple[Retry, ...] = ()  # what the pass offers a guard instead (hlo_passes.registry.Retry)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> PassRecord:
+        """Inverse of ``dataclasses.asdict`` after a JSON round trip (a cached plan, another process)."""
+        data = dict(data)
+        data["retries"] = tuple(Retry.from_dict(r) for r in data.get("retries", ()))
+        return cls(**data)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,17 +22,55 @@ from collections.abc import Callable, Iterator, MutableMapping
 
 
 @dataclasses.dataclass(frozen=True)
+class Retry:
+    """A smaller version of a pass's rewrite that ``compile_for_target``'s guards may judge
+    instead of the whole: the pass declares it in its outcome, so no guard tests a pass's name.
+
+    Attributes:
+      kind: ``"leave_one_out"``: judged against the whole rewrite, the faster kept (one part of
+        the rewrite left out, e.g. one loop's rotation); ``"fallback"``: judged only where the
+        whole rewrite is dropped (what may still pay alone, e.g. the replicated-operand
+        collectives without the split).
+      label: what is left out, as the guard's record names it (``"split"``, a loop body).
+      changes: replacements in the pass's own options group (``Options.<pass name>``).
+    """
+
+    kind: str
+    label: str
+    changes: tuple[tuple[str, object], ...]
+
+    def __post_init__(self):
+        if self.kind not in ("leave_one_out", "fallback"):
+            raise ValueError(f"Retry.kind must be 'leave_one_out' or 'fallback', got {self.kind!r}")
+
+    def applied(self, options, pass_name: str):
+        """``options`` with this retry's changes in the group of the pass ``pass_name``."""
+        group = getattr(options, pass_name)
+        return dataclasses.replace(options, **{pass_name: dataclasses.replace(group, **dict(self.changes))})
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Retry:
+        """Inverse of ``dataclasses.asdict`` after a JSON round trip (lists back to tuples)."""
+        def tupled(v):
+            return tuple(tupled(x) for x in v) if isinstance(v, list) else v
+
+        return cls(data["kind"], data["label"], tuple((k, tupled(v)) for k, v in data["changes"]))
+
+
+@dataclasses.dataclass(frozen=True)
 class PassOutcome:
     """What a pass reports: whether it changed the module, and its statistics.
 
     ``tolerance`` is the relative difference from the original's outputs that the
     pass allows (0: bitwise; a pass that reassociates sums declares its bound).
-    ``Options.check_first_step`` compares within the largest declared tolerance.
+    ``Options.optimize.check_first_step`` compares within the largest declared tolerance.
+    ``retries``: smaller versions of the rewrite a guard may judge instead (``Retry``).
     """
 
     changed: bool
     stats: dict = dataclasses.field(default_factory=dict)
     tolerance: float = 0.0
+    retries: tuple[Retry, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

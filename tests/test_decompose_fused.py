@@ -142,3 +142,23 @@ def test_compile_for_target_hands_the_stock_module_to_the_passes_that_take_it(mo
     pipeline.run(pre_text(), opts, inputs)
     assert seen["with"] is inputs and seen["without"] is opts
     assert "fused_reference" not in {f.name for f in dataclasses.fields(DecomposeOptions)}
+
+
+def test_retries_survive_a_json_round_trip_and_apply_to_the_pass_group():
+    """What a pass offers a guard (``Retry``) travels in its record through JSON (the plan cache,
+    another process) and applies to that pass's own options group."""
+    import json
+
+    from concerto_jax.report import PassRecord
+    from hlo_passes.registry import Retry
+
+    rotation = Retry("leave_one_out", "body.1", (("rotate_skip", ("body.1",)),))
+    fallback = Retry("fallback", "split", (("split", False),))
+    rec = PassRecord("decompose", True, 0.5, {"n": 2}, 1e-3, (rotation, fallback))
+    assert PassRecord.from_dict(json.loads(json.dumps(dataclasses.asdict(rec)))) == rec
+    opts = concerto_jax.Options(passes=("decompose", "schedule"))
+    assert rotation.applied(opts, "decompose").decompose == dataclasses.replace(
+        opts.decompose, rotate_skip=("body.1",))
+    assert fallback.applied(opts, "decompose").decompose.split is False
+    with pytest.raises(ValueError, match="Retry.kind"):
+        Retry("sometimes", "x", ())

@@ -18,7 +18,7 @@ from concerto_jax.options import Options
 from hlo_passes.decompose.options import DecomposeOptions
 from hlo_passes.ir.loops import analyze_while
 from hlo_passes.pipeline_loops import rotate_loop, rotation_candidates, rotation_of
-from hlo_passes.registry import PASSES, PassOutcome
+from hlo_passes.registry import PASSES, PassOutcome, Retry
 from tests._helpers import assert_tree_bitwise
 from tests.test_loops import _scan_step
 
@@ -118,17 +118,25 @@ def test_decompose_rotates_a_split_loop_where_it_pays_and_fits(monkeypatch):
 
     monkeypatch.setattr(pipeline_pass, "ROTATION_MARGIN", -1.0)
     step, params, x = _tp_scan(3)
-    records = {}
+    records, retries, rotations = {}, {}, {}
     for budget in (None, 1 << 30):
         opt = concerto_jax.optimize(step, Options(passes=("decompose", "schedule"), fallback=False,
                                                   decompose=DecomposeOptions(memory_budget_bytes=budget)))
         got, want = opt(params, x), step(params, x)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-        stats = opt.report().passes[0].stats
+        rec = opt.report().passes[0]
+        stats = rec.stats
         assert stats["strategy"] == "region"
         records[budget] = stats["rotations"][0]
+        retries[budget], rotations[budget] = rec.retries, stats["rotations"]
     assert not records[None]["rotated"] and records[None]["why"] == "over the memory limit"
+    # each rotated loop, and only those, is offered to compile_for_target's guard as a
+    # leave-one-out retry
+    assert retries[None] == ()
+    rotated = [r["body"] for r in rotations[1 << 30] if r["rotated"]]
+    assert records[1 << 30]["body"] in rotated and retries[1 << 30] == tuple(
+        Retry("leave_one_out", body, (("rotate_skip", (body,)),)) for body in rotated)
     kept = records[1 << 30]
     assert kept["rotated"] and kept["why"] == "pays and fits", kept
     assert kept["rotated_loop_us"] < 2.0 * kept["loop_us"]  # the margin: (1 - (-1)) x the loop

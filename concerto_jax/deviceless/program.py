@@ -487,24 +487,25 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
             if tuned_record is None:
                 plan, scheduled_src, compile_options = plain, stock_src, stock_compile_options
             rewritten = False
-            dec = next((r for r in records if r.name == "decompose"), None)
-            if (dec is not None and dec.stats.get("replicated") and dec.stats.get("split_changed")
-                    and (clock is None or clock.allows(clock.compile_s, "the replicated-only "
-                                                       "alternative of the dropped split: not compiled"))):
-                # the split lost, but the replicated-operand collectives may pay alone (a 3-D
-                # dp x fsdp x tp step: its embedding's gather over the data groups, 1.121x ->
-                # 1.133x; docs/DECISIONS.md D23)
+            # what a pass offers where its whole rewrite loses: decompose's split lost, but the
+            # replicated-operand collectives may pay alone (a 3-D dp x fsdp x tp step: its
+            # embedding's gather over the data groups, 1.121x -> 1.133x; docs/DECISIONS.md D23)
+            retry = rewrite_guard.fallback_retry(records)
+            without = f"without_{retry[1].label}" if retry is not None else ""
+            if (retry is not None
+                    and (clock is None or clock.allows(clock.compile_s, f"the rewrite {without.replace('_', ' ')}"
+                                                       " (its fallback): not compiled"))):
                 t0 = time.perf_counter()
-                alt = rewrite_guard.without_split(pre_opts, inputs, stock.post_spmd_text, options, cost_model,
-                                                  budget, scheduled_at_program, tuned if tune else None)
-                seconds["rewrite_guard_without_split"] = time.perf_counter() - t0
+                alt = rewrite_guard.with_fallback(pre_opts, inputs, stock.post_spmd_text, options, cost_model,
+                                                  budget, scheduled_at_program, tuned if tune else None,
+                                                  retry)
+                seconds[f"rewrite_guard_{without}"] = time.perf_counter() - t0
                 kept_alt = alt.plan.judged.us < plan.judged.us
-                guard["without_split"] = {"planned_us": round(alt.plan.judged.us, 1),
-                                          "kept": kept_alt}
-                kept_alt = rewrite_guard.robust_keep(envelope, "rewrite_guard_without_split", alt.plan,
-                                                     plan, guard["without_split"], kept_alt, seconds,
+                guard[without] = {"planned_us": round(alt.plan.judged.us, 1), "kept": kept_alt}
+                kept_alt = rewrite_guard.robust_keep(envelope, f"rewrite_guard_{without}", alt.plan,
+                                                     plan, guard[without], kept_alt, seconds,
                                                      stock_final=stock.final_text)
-                guard["without_split"]["kept"] = kept_alt
+                guard[without]["kept"] = kept_alt
                 if kept_alt:
                     plan, scheduled_src, compile_options = alt.plan, alt.src, alt.copts
                     if alt.record is not None:

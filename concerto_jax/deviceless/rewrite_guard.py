@@ -1,8 +1,11 @@
 """The rewrite guard of ``compile_for_target``: a program rewritten before XLA (decompose,
 fuse_collectives, ...) is kept only where its plan on XLA's scheduled module beats the
-original's, under the nominal cost model and, with ``Options.deviceless.robust``, under every plausible
-one (maximin against stock); loop rotations are guarded the same way, and a dropped split
-can leave the replicated operands' collectives alone. ``program._backend_only`` runs it."""
+original's, under the nominal cost model and, with ``Options.deviceless.robust``, under every
+plausible one (maximin against stock). What a pass offers in its outcome as ``Retry``s is
+judged the same way, whatever the pass: each ``"leave_one_out"`` part against the whole
+(decompose: each loop rotation), and where the whole rewrite is dropped its ``"fallback"``
+(decompose: the replicated operands' collectives without the split).
+``program._backend_only`` runs it."""
 
 from __future__ import annotations
 
@@ -14,14 +17,14 @@ from concerto_jax import pipeline
 from concerto_jax.deviceless import planning
 from concerto_jax.deviceless.compile import compile_replicated_for_target
 from concerto_jax.deviceless.planning import Plan
-from hlo_passes.registry import PassInputs
+from hlo_passes.registry import PassInputs, Retry
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
-class WithoutSplit:
-    """The rewrite without its split (``without_split``).
+class Fallback:
+    """The rewrite with a pass's fallback retry (``with_fallback``; decompose: without its split).
 
     Attributes:
       plan: its plan (after the threshold search where one ran).
@@ -78,52 +81,59 @@ def robust_keep(envelope, decision: str, candidate: Plan, baseline: Plan, record
     return verdict.keep
 
 
-def without_split(pre_opts, inputs: PassInputs, post_spmd: str, options, cost_model, budget,
-                  scheduled_at_program, tuned) -> WithoutSplit:
-    """The rewriting passes (``pre_opts``, given ``inputs``) again with
-    ``DecomposeOptions.split=False`` (only the collectives of replicated operands), XLA's
-    scheduled module of that program and its plan (after the combine-threshold search when
-    ``tuned`` is given)."""
-    opts = dataclasses.replace(pre_opts, decompose=dataclasses.replace(pre_opts.decompose, split=False))
-    pre = pipeline.run(post_spmd, opts, inputs)
+def fallback_retry(records) -> tuple[str, Retry] | None:
+    """The first ``"fallback"`` retry a pass record offers, with the pass's name, or None."""
+    return next(((r.name, retry) for r in records for retry in r.retries if retry.kind == "fallback"),
+                None)
+
+
+def with_fallback(pre_opts, inputs: PassInputs, post_spmd: str, options, cost_model, budget,
+                  scheduled_at_program, tuned, retry: tuple[str, Retry]) -> Fallback:
+    """The rewriting passes (``pre_opts``, given ``inputs``) again with the fallback ``retry``
+    (``(pass name, Retry)``: decompose's is ``DecomposeOptions.split=False``, only the collectives
+    of replicated operands), XLA's scheduled module of that program and its plan (after the
+    combine-threshold search when ``tuned`` is given)."""
+    name, fallback = retry
+    pre = pipeline.run(post_spmd, fallback.applied(pre_opts, name), inputs)
     at = scheduled_at_program(pre.text)
     src, copts = at(dict(options.compiler_options))
     plan = planning.plan_on(src, options, cost_model, {}, budget)
     record = None
     if tuned is not None:
         plan, src, copts, record = tuned(at, plan, src, copts)
-    log.info("compile_for_target: the rewrite without the split plans %.1f us", plan.judged.us)
-    return WithoutSplit(plan, src, copts, record, list(pre.passes))
+    log.info("compile_for_target: the rewrite without its %s plans %.1f us", fallback.label, plan.judged.us)
+    return Fallback(plan, src, copts, record, list(pre.passes))
 
 
 def rotation_guard(pre, pre_opts, inputs: PassInputs, scheduled_src: str, post_spmd: str, devices, env, options,
                    cost_model, seconds: dict, budget, envelope=None, stock_final: str | None = None):
-    """Keep each loop rotation of the decompose pass only where XLA's module of the program
-    plans faster with it: ``(pipeline result, XLA's scheduled module, its plan or None)``.
+    """Keep each part of a rewrite that a pass offers as a ``"leave_one_out"`` retry (decompose:
+    each loop rotation) only where XLA's module of the program plans faster with it:
+    ``(pipeline result, XLA's scheduled module, its plan or None)``.
 
     A rotation is decided on the post-SPMD graph, which does not see what XLA's passes make
     of the rotated loop (fusion across the cut, all-reduce pairs its reassociation merges,
     its own loop pipelining). So the program with every
     rotation is planned on XLA's scheduled module against the same program with one rotated
-    loop left as it was, for each rotated loop (one more decompose + XLA compile + plan
-    each); the fastest is kept, and the decompose record gets ``rotation_guard``. With an
+    loop left as it was, for each rotated loop (one more pipeline run + XLA compile + plan
+    each); the fastest is kept, and the record of the pass that offered them gets
+    ``rotation_guard``. With an
     ``envelope`` (``Options.deviceless.robust``), each comparison keeps the program with the rotation
     only where its worst-case gain over stock XLA's final module ``stock_final`` across the
     plausible cost models is at least the other's (maximin, as the rewrite guard;
     ``rotation_guard["robust"]`` holds each verdict).
     """
-    rec = next((r for r in pre.passes if r.name == "decompose"), None)
-    rotated = [r["body"] for r in (rec.stats.get("rotations") or []) if r.get("rotated")] if rec else []
-    if not rotated:
+    retries = [(r.name, retry) for r in pre.passes for retry in r.retries if retry.kind == "leave_one_out"]
+    if not retries:
         return pre, scheduled_src, None
     t0 = time.perf_counter()
     plan = planning.plan_on(scheduled_src, options, cost_model, {}, budget)
     best = (plan.judged.us, pre, scheduled_src, (), plan)
     tried = {"all": round(best[0], 1)}
     verdicts: dict = {}
-    for body in rotated:
-        dopts = dataclasses.replace(pre_opts.decompose, rotate_skip=(body,))
-        alt = pipeline.run(post_spmd, dataclasses.replace(pre_opts, decompose=dopts), inputs)
+    for name, retry in retries:
+        body = retry.label
+        alt = pipeline.run(post_spmd, retry.applied(pre_opts, name), inputs)
         _, _, _, src = compile_replicated_for_target(alt.text, devices, env, after_lhs=True)
         plan = planning.plan_on(src, options, cost_model, {}, budget)
         us = plan.judged.us
@@ -140,6 +150,7 @@ def rotation_guard(pre, pre_opts, inputs: PassInputs, scheduled_src: str, post_s
     if verdicts:
         guard["robust"] = verdicts
     log.info("compile_for_target: rotation guard %s", guard)
+    offered = {name for name, _ in retries}
     passes = tuple(dataclasses.replace(r, stats={**r.stats, "rotation_guard": guard})
-                   if r.name == "decompose" else r for r in pre.passes)
+                   if r.name in offered else r for r in pre.passes)
     return dataclasses.replace(pre, passes=passes), scheduled_src, plan

@@ -345,7 +345,7 @@ class Plan:
     @classmethod
     def from_json(cls, data: dict) -> Plan:
         return cls(data["handed"], bool(data["replicated"]),
-                   tuple(PassRecord(**p) for p in data["passes"]), data["sha256"])
+                   tuple(PassRecord.from_dict(p) for p in data["passes"]), data["sha256"])
 
 
 def _sha(text: str) -> str:

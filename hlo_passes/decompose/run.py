@@ -73,7 +73,7 @@ from hlo_passes.ir import channel_counter
 from hlo_passes.ir.errors import HloError
 from hlo_passes.options import PassOptions
 from hlo_passes.pipeline_loops.decide import decide_rotation
-from hlo_passes.registry import NO_INPUTS, PassInputs, PassOutcome
+from hlo_passes.registry import NO_INPUTS, PassInputs, PassOutcome, Retry
 from hlo_passes.replicated_reductions.decide import plan_replicated_reductions
 from hlo_passes.replicated_reductions.rewrite import split_replicated_collective
 
@@ -103,11 +103,12 @@ def decompose_pass(module, options: PassOptions, inputs: PassInputs = NO_INPUTS)
     records = _replicated_reductions(module, cost_model)
     if not records:
         return outcome
-    # split_changed: compile_for_target's guard tries the program without the split where
-    # the whole rewrite loses
+    # where the split changed the module, compile_for_target's guard may try the program
+    # without it (the replicated-operand collectives alone) when the whole rewrite loses
+    fallback = (Retry("fallback", "split", (("split", False),)),) if outcome.changed else ()
     return PassOutcome(changed=True, stats={**outcome.stats, "replicated": records,
                                             "split_changed": outcome.changed},
-                       tolerance=outcome.tolerance)
+                       tolerance=outcome.tolerance, retries=outcome.retries + fallback)
 
 
 def _replicated_reductions(module, cost_model) -> list[dict]:
@@ -330,7 +331,11 @@ def _region_split(module, options, dopts: DecomposeOptions, cost_model) -> PassO
              "decomposed": decomposed, "dropped": dropped, "tolerance": tolerance,
              "rotations": rotations}
     log.info("decompose (region): %s", stats)
-    return PassOutcome(changed=bool(decomposed), stats=stats, tolerance=tolerance)
+    # each rotation may lose on XLA's module of the program: compile_for_target's rotation
+    # guard judges the program with each rotated loop left as it was
+    retries = tuple(Retry("leave_one_out", r["body"], (("rotate_skip", (r["body"],)),))
+                    for r in rotations if r.get("rotated"))
+    return PassOutcome(changed=bool(decomposed), stats=stats, tolerance=tolerance, retries=retries)
 
 
 def _rotate_split_loops(module, options, cost_model, decomposed: list[dict],
