@@ -149,7 +149,8 @@ class OptimizeOptions:
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """What ``optimize`` does to a step, and how it reports it.
+    """What ``optimize`` and ``compile_for_target`` do to a step, and how they report it; what
+    only one of them reads is in its group (``optimize``, ``deviceless``).
 
     The defaults are safe: every pass that changes the program keeps the
     results bitwise equal (they only reorder or regroup work), and any
