@@ -57,6 +57,9 @@ def main(argv=None) -> int:
     d.add_argument("--region", type=int, default=2, metavar="N",
                    help="DecomposeOptions.region_degree (default 2): split the best region into "
                         "N micro-batches; 0: per-collective contexts only (region_degree=None)")
+    d.add_argument("--no-windowed-einsum", dest="windowed_einsum", action="store_false",
+                   help="leave out the column of stock XLA with windowed einsum on (one more XLA "
+                        "compile per case)")
     d.add_argument("--thresholds", default=None, metavar="B,B,...",
                    help="Options.deviceless.combine_thresholds in bytes (default: the Options default); "
                         "'none': XLA's combine thresholds only")
@@ -127,7 +130,8 @@ def main(argv=None) -> int:
                                    split_copies=args.split_copies, region_degree=args.region or None,
                                    combine_thresholds=None if args.thresholds is None else (
                                        () if args.thresholds == "none"
-                                       else tuple(int(b) for b in args.thresholds.split(","))))
+                                       else tuple(int(b) for b in args.thresholds.split(","))),
+                                   windowed_einsum=args.windowed_einsum)
         with open(os.path.join(args.out, f"{prefix}.md")) as f:
             sys.stdout.write(f.read())
         return 0 if all(not str(r["status"]).startswith("error") for r in rows) else 1
