@@ -3,8 +3,9 @@
 A pass is a function ``(module, options) -> PassOutcome`` over the IR (``options``: the
 settings every pass may read, ``hlo_passes.options.PassOptions``; ``concerto_jax.Options``
 satisfies it). A pass that also needs data of the run besides the module (another module's
-text) declares a third parameter ``inputs`` and gets
-the run's ``PassInputs``: settings live in options, data is passed as an argument. One line of ``PASS_TABLE`` registers it: ``Options.passes`` accepts exactly
+text) declares a third parameter ``inputs`` and gets the run's ``PassInputs``: settings live
+in options, data is passed as an argument. One line of ``PASS_TABLE`` registers it:
+``Options.passes`` accepts exactly
 the table's names plus those assigned at run time (``PASSES[name] = fn``, or
 ``monkeypatch.setitem(PASSES, name, fn)`` in tests).
 

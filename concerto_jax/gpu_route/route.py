@@ -33,7 +33,7 @@ from concerto_jax.deviceless.compile import (
     lower_for_target,
 )
 from concerto_jax.deviceless.pjrt_c import RIEGELI_SIGNATURE
-from concerto_jax.deviceless.planning import pass_inputs
+from concerto_jax.deviceless.planning import pass_inputs, rewriting_options
 from concerto_jax.first_step_policy import StepEntry
 from concerto_jax.jax_compat import payload_device_count
 from concerto_jax.judge import judge_module
@@ -388,8 +388,7 @@ def plan_on_scheduled(post_spmd: str, scheduled: str | None, options,
     _require_scheduled(scheduled)
     src, replicated, rewritten = scheduled, False, None
     if rewriting:
-        pre = pipeline.run(post_spmd, dataclasses.replace(options, passes=rewriting),
-                           pass_inputs(scheduled))
+        pre = pipeline.run(post_spmd, rewriting_options(options, rewriting), pass_inputs(scheduled))
         records += pre.passes
         if any(r.changed for r in pre.passes):
             executor.check_signature(post_spmd, pre.text)
