@@ -120,6 +120,23 @@ def collective_pipeliner_options(on: bool) -> tuple[tuple[str, str], ...]:
     return tuple((f"xla_gpu_pipeline_{kind}", mode) for kind in COLLECTIVE_PIPELINER_KINDS)
 
 
+# -- our own deviceless compiles (checked on 0.11.2, 0.12.0.1) ---------------------------------
+
+DEVICELESS_OWN_COMPILE_OPTIONS = (("xla_gpu_experimental_enable_fusion_autotuner", False),)
+"""XLA options of the deviceless compiles ``compile_for_target`` runs for itself (stock's
+reference compile, XLA's pipeline on a rewritten program, the threshold candidates), never
+of a compile a user runs.
+
+Why: on a deviceless target XLA's generic-fusion autotuner (the ``config-assigner`` pass) has
+no device to measure on; it compiles every loop and input fusion through the GPU pipeline and
+then gives each the default emitter config (``NATIVE_EMITTER_TYPE_INVALID``, unroll 0, which
+the emitters read as no config). That is about half of XLA's whole compile of a step (the
+1-layer TP=8 held-out step, one 2-core machine shared with other jobs: 40.3 -> 22.4 s on
+0.12.0.1, 42.5 -> 30.1 s on 0.11.2). With it off, XLA's scheduled and final modules are the
+same but for that annotation and the ``fingerprint_before_lhs`` attribute
+(``tests/test_target.py::test_own_compile_options_change_no_kernel``). GEMM fusions are
+assigned by the same pass under another switch and keep their configs."""
+
 # -- jaxlib's HLO and MLIR bridges (checked on 0.11.2, 0.12.0.1) -------------------------------
 
 def xla_client():

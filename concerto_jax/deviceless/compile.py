@@ -300,6 +300,13 @@ def _copy_to_reshape(text: str) -> str:
     return module_to_text(module) if n else text
 
 
+def own_compile_options(compiler_options=()) -> dict:
+    """The XLA options of a deviceless compile that ``compile_for_target`` runs for itself:
+    ``jax_compat.DEVICELESS_OWN_COMPILE_OPTIONS`` under the user's ``compiler_options`` (a
+    user's setting of the same option wins)."""
+    return {**dict(jax_compat.DEVICELESS_OWN_COMPILE_OPTIONS), **dict(compiler_options)}
+
+
 def compile_replicated_for_target(hlo_text: str, devices: Sequence, compiler_options: dict | None = None,
                                   *, after_lhs: bool = False):
     """Compile a replicated per-device module for the deviceless target of ``devices``.

@@ -54,6 +54,7 @@ from concerto_jax.deviceless.compile import (
     compile_replicated_for_target,
     devices_of,
     lower_for_target,
+    own_compile_options,
     require_gpu_plugin,
 )
 from concerto_jax.executor import replicated_compile_options
@@ -238,7 +239,7 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
     hit = cache.lookup(seconds) if cache is not None else None
     if hit is not None:  # verified: every module parses, the handed one passes the verifier
         return TargetResult(**hit)
-    xla_opts = tuple((k, v) for k, v in dict(options.compiler_options).items())
+    xla_opts = tuple(own_compile_options(options.compiler_options).items())
     stock = compile_lowered(lowered, cluster, CompileOptions(
         dump_lhs=via == "backend_only", dump_spmd=True, dump_scheduled=via == "backend_only", extra=xla_opts))
     seconds["stock_compile"] = stock.compile_s
@@ -366,7 +367,7 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
     ``judge.measure``, which then does not simulate the plan a second time.
     """
     devices = devices_of(stock.compiled)
-    env = dict(options.compiler_options)
+    env = own_compile_options(options.compiler_options)
     records: list = []
     rewriting = tuple(p for p in options.passes if p not in PLAN_PASSES)
     # The module XLA's post-scheduling pipelines receive (= after LHS where LHS runs; the
@@ -544,7 +545,8 @@ def _pinned(stock, options, cluster, cost_model, seconds: dict) -> CompiledProgr
     scheduled = _scheduled(pipeline_result.text)
     _dump(options.dump_dir, "scheduled.hlo", scheduled)
     devices = devices_of(stock.compiled)
-    final, _, dt = compile_replicated_for_target(pipeline_result.text, devices, dict(options.compiler_options))
+    final, _, dt = compile_replicated_for_target(pipeline_result.text, devices,
+                                             own_compile_options(options.compiler_options))
     seconds["compile"] = dt
     _dump(options.dump_dir, "final.hlo", final)
     pins = sum(int(rec.stats.get("pinned", 0)) for rec in pipeline_result.passes if rec.name == "pin")
