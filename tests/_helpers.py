@@ -20,7 +20,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from functools import partial
 
 import jax
@@ -182,3 +184,34 @@ def scanned_target_step(target: str = "h100_sxm_8"):
         return jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sh)
 
     return step, [(sd((3, 512, 2048), col), sd((3, 2048, 512), row)), sd((1024, 512), NamedSharding(mesh, P()))]
+
+
+_DEFAULT_EMITTER_CONFIG = {"operation_queue_id": "0", "force_earliest_schedule": False, "reification_cost": [],
+                           "device_type": "DEVICE_TYPE_INVALID",
+                           "native_emitter_backend_config": {"type": "NATIVE_EMITTER_TYPE_INVALID", "unroll_factor": 0}}
+
+
+def without_default_emitter_configs(text: str) -> str:
+    """``text`` without what XLA's generic-fusion autotuner writes on a deviceless target and
+    nothing else reads: each ``backend_config`` loses the fields at their default values (the
+    default emitter config, ``NATIVE_EMITTER_TYPE_INVALID`` with unroll 0, and the defaults
+    written beside it; an emptied one goes), and the module's ``fingerprint_before_lhs`` (a
+    hash of the text) goes. Two compiles that differ only in running that autotuner give the
+    same result (``concerto_jax.jax_compat.DEVICELESS_OWN_COMPILE_OPTIONS``)."""
+    out = []
+    for line in text.splitlines():
+        line = re.sub(r'fingerprint_before_lhs="[0-9a-f]*"', "", line)
+        start = line.find(", backend_config={")
+        if start >= 0:
+            i = start + len(", backend_config=")
+            depth, j = 0, i
+            for j in range(i, len(line)):  # the JSON object's end (strings hold no braces here)
+                depth += {"{": 1, "}": -1}.get(line[j], 0)
+                if depth == 0:
+                    break
+            config = {k: v for k, v in json.loads(line[i:j + 1]).items()
+                      if _DEFAULT_EMITTER_CONFIG.get(k, object()) != v}
+            kept = f", backend_config={json.dumps(config, sort_keys=True, separators=(',', ':'))}" if config else ""
+            line = line[:start] + kept + line[j + 1:]
+        out.append(line)
+    return "\n".join(out)

@@ -37,6 +37,8 @@ import re
 
 import pytest
 
+from tests._helpers import without_default_emitter_configs
+
 GOLDEN_DIR = os.path.join(os.path.dirname(__file__), "data", "golden")
 HLO_DIR = os.path.join(os.path.dirname(__file__), "data", "hlo")
 REGEN = os.environ.get("CONCERTO_REGEN_GOLDEN") == "1"
@@ -57,8 +59,12 @@ _STACK_REFS = re.compile(r",? ?stack_frame_id=\d+|,? ?fingerprint_before_lhs=\"[
 
 
 def _compiled_sha(text: str | None) -> str | None:
-    """``_sha`` of a module compiled from Python here, without the caller's stack (paths, lines)."""
-    return None if text is None else _sha(_STACK_REFS.sub("", _STACK_TABLES.sub("", text)))
+    """``_sha`` of a module compiled from Python here, without the caller's stack (paths, lines)
+    and without the default emitter configs of XLA's generic-fusion autotuner, which
+    ``compile_for_target``'s own compiles skip (``tests._helpers.without_default_emitter_configs``)."""
+    if text is None:
+        return None
+    return _sha(without_default_emitter_configs(_STACK_REFS.sub("", _STACK_TABLES.sub("", text))))
 
 
 def _plain(value):

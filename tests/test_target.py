@@ -112,27 +112,6 @@ ENTRY main {
     assert "ENTRY" in final
 
 
-def _without_default_emitter_configs(text: str) -> list[str]:
-    """``text``'s lines with what XLA's generic-fusion autotuner writes on a deviceless target
-    taken out: the default emitter config (``NATIVE_EMITTER_TYPE_INVALID``, unroll 0) with the
-    default fields around it, and the module's ``fingerprint_before_lhs`` (a hash of the text)."""
-    import json
-    import re
-
-    defaults = {"operation_queue_id": "0", "force_earliest_schedule": False, "reification_cost": [],
-                "device_type": "DEVICE_TYPE_INVALID",
-                "native_emitter_backend_config": {"type": "NATIVE_EMITTER_TYPE_INVALID", "unroll_factor": 0}}
-    out = []
-    for line in text.splitlines():
-        line = re.sub(r'fingerprint_before_lhs="[0-9a-f]+"', "", line)
-        m = re.search(r", backend_config=(\{.*\})$", line)
-        if m:
-            config = {k: v for k, v in json.loads(m.group(1)).items() if defaults.get(k, object()) != v}
-            line = line[:m.start()] + (f", backend_config={json.dumps(config, sort_keys=True)}" if config else "")
-        out.append(line)
-    return out
-
-
 @needs_plugin
 def test_own_compile_options_change_no_kernel():
     """``compile_for_target``'s own compiles turn XLA's generic-fusion autotuner off
@@ -141,6 +120,7 @@ def test_own_compile_options_change_no_kernel():
     stock compile's but for that annotation; if a JAX release makes the autotuner choose
     anything on a deviceless target, this fails and the option must go."""
     from concerto_jax.deviceless.compile import own_compile_options
+    from tests._helpers import without_default_emitter_configs
 
     cluster = CLUSTERS["h100_sxm_8"]
     fn, args, sh = _mlp_case(cluster)
@@ -149,6 +129,6 @@ def test_own_compile_options_change_no_kernel():
                      options=CompileOptions(dump_lhs=False, extra=tuple(own_compile_options().items())))
     assert "native_emitter_backend_config" in stock.final_text  # what the option saves: the pass ran
     assert "native_emitter_backend_config" not in own.final_text
-    assert _without_default_emitter_configs(own.final_text) == _without_default_emitter_configs(stock.final_text)
+    assert without_default_emitter_configs(own.final_text) == without_default_emitter_configs(stock.final_text)
     assert own_compile_options({"xla_gpu_experimental_enable_fusion_autotuner": True}) == {
         "xla_gpu_experimental_enable_fusion_autotuner": True}  # the user's setting wins
