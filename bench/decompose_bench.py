@@ -53,6 +53,9 @@ COLUMNS = ("case", "cluster",
            # (Options.deviceless.memory_budget: "xla order" = the peak of XLA's order of the same
            # program; "xla budget" = XLA's own scheduler limit on the target)
            "stock_peak_mb", "sad_peak_mb", "sad_memory_limit",
+           # what Options.deviceless.time_budget_s ("auto": scales with this machine's speed)
+           # left out of S's and S+AD's compile_for_target (TargetResult.cut; empty: nothing)
+           "s_cut", "sad_cut",
            "windowed_einsum", "status")
 
 
@@ -298,6 +301,7 @@ def run_case(case, final_module: bool = True, split_copies: str = "estimate",
     stock = results["s"].stock_step_us
     row.update(stock_us=round(stock, 1), s_us=round(results["s"].final_step_us, 1),
                sad_us=round(results["sad"].final_step_us, 1))
+    row.update(s_cut="; ".join(results["s"].cut), sad_cut="; ".join(results["sad"].cut))
     row["s_gain"] = round(stock / results["s"].final_step_us, 4)
     row["sad_gain"] = round(stock / results["sad"].final_step_us, 4)
     from bench import robust_columns

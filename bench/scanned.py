@@ -81,7 +81,7 @@ COLUMNS = (
     "planned_us", "final_vs_planned", "bound_us", "stock_bound_us",
     "final_gap_to_bound_pct", "overlap_kept", "planned_overlap_us", "computations", "changed", "survived", "moved",
     "bodies_changed", "bodies_survived", "entry_peak_mb", "entry_limit_mb", "body_peak_mb", "worst_peak_over_limit",
-    "pass_stats", "fallback", "stock_compile_s", "compile_s", "wall_s", "note",
+    "pass_stats", "fallback", "cut", "stock_compile_s", "compile_s", "wall_s", "note",
 )
 
 
@@ -232,7 +232,8 @@ def run_case(name: str, layout: str, cluster: str, mesh: tuple[int, ...], note: 
                                               target=cluster, options=options)
         xla_sched = (_read(os.path.join(dump, "xla_scheduled.hlo"))
                      or _read(os.path.join(dump, "xla_after_lhs.hlo")))  # the dump's older name
-    row.update(via=res.via, fallback=res.fallback_reason or "", stock_compile_s=res.seconds.get("stock_compile", ""),
+    row.update(via=res.via, fallback=res.fallback_reason or "", cut="; ".join(res.cut),  # what the time budget left out
+               stock_compile_s=res.seconds.get("stock_compile", ""),
                compile_s=res.seconds.get("compile", ""),
                pass_stats="; ".join(f"{r.name}: {_short_stats(r)}" for r in res.passes if r.name != "schedule"))
     stock = judge_module(res.stock_final_text, cost_model)
