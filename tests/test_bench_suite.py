@@ -31,3 +31,21 @@ def test_run_each_keeps_going_and_traces_the_first_success():
     assert [r["status"] for r in rows[1:]] == ["ok", "ok"]
     assert traced == [cases[1].name], "the trace goes to the first case that succeeds, once"
     assert done == [1, 2, 3]
+
+
+def test_only_synchronous_collectives():
+    """The decompose bench forces stock XLA's latency hiding scheduler on only where stock's final
+    module has collectives and none of them asynchronous (jax >= 0.11 on the A100 targets)."""
+    from bench.decompose_bench import only_synchronous_collectives
+
+    sync = "ENTRY e {\n  p = f32[8] parameter(0)\n  ROOT ar = f32[8] all-reduce(p), to_apply=add\n}\n"
+    asyn = ("ENTRY e {\n  p = f32[8] parameter(0)\n  s = f32[8] all-reduce-start(p), to_apply=add\n"
+            "  ROOT d = f32[8] all-reduce-done(s)\n}\n")
+    mixed = sync.replace("ROOT ar", "ar").replace("}\n", "  g = f32[64] all-gather-start(p)\n}\n")
+    wrapped = sync.replace("}\n", "  a = ((f32[8]), f32[8]) async-start(p), calls=c\n}\n")
+    none = "ENTRY e {\n  ROOT p = f32[8] parameter(0)\n}\n"
+    assert only_synchronous_collectives(sync)
+    assert not only_synchronous_collectives(asyn)
+    assert not only_synchronous_collectives(mixed)
+    assert not only_synchronous_collectives(wrapped)
+    assert not only_synchronous_collectives(none)
