@@ -137,6 +137,14 @@ same but for that annotation and the ``fingerprint_before_lhs`` attribute
 (``tests/test_target.py::test_own_compile_options_change_no_kernel``). GEMM fusions are
 assigned by the same pass under another switch and keep their configs."""
 
+KERNEL_CACHE_OPTION = "xla_gpu_kernel_cache_file"
+"""XLA's kernel cache: compiled kernels written to this file, found again by the fingerprint of
+their fused computation and arguments (``KernelReuseCache``; the cache JAX itself puts under its
+persistent compilation cache with ``jax_persistent_cache_enable_xla_caches``). Our compiles of
+one ``compile_for_target`` call share one file (D40): the stock step, the rewritten program and
+each threshold candidate repeat most kernels. Checked: with it, XLA's scheduled and final
+modules are the same text (the 1-layer TP=8 held-out step, 0.12.0.1)."""
+
 # -- jaxlib's HLO and MLIR bridges (checked on 0.11.2, 0.12.0.1) -------------------------------
 
 def xla_client():

@@ -132,3 +132,22 @@ def test_own_compile_options_change_no_kernel():
     assert without_default_emitter_configs(own.final_text) == without_default_emitter_configs(stock.final_text)
     assert own_compile_options({"xla_gpu_experimental_enable_fusion_autotuner": True}) == {
         "xla_gpu_experimental_enable_fusion_autotuner": True}  # the user's setting wins
+
+
+@needs_plugin
+def test_a_shared_kernel_cache_changes_no_module(tmp_path):
+    """``compile_for_target``'s compiles of one call share XLA's kernel cache (D40): a compile
+    that finds its kernels there writes the same final module as one that compiles them."""
+    from concerto_jax.deviceless.compile import own_compile_options
+
+    cluster = CLUSTERS["h100_sxm_8"]
+    fn, args, sh = _mlp_case(cluster)
+    plain = compile_fn(fn, args, cluster, in_shardings=sh,
+                       options=CompileOptions(dump_lhs=False, extra=tuple(own_compile_options().items())))
+    cache = tmp_path / "kernels.pb"
+    cached = CompileOptions(dump_lhs=False, extra=tuple(own_compile_options(kernel_cache=str(cache)).items()))
+    fill = compile_fn(fn, args, cluster, in_shardings=sh, options=cached)
+    assert cache.stat().st_size > 0  # XLA wrote its kernels there
+    hit = compile_fn(fn, args, cluster, in_shardings=sh, options=cached)
+    assert fill.final_text == plain.final_text
+    assert hit.final_text == plain.final_text

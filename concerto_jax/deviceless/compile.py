@@ -300,11 +300,20 @@ def _copy_to_reshape(text: str) -> str:
     return module_to_text(module) if n else text
 
 
-def own_compile_options(compiler_options=()) -> dict:
+def own_compile_options(compiler_options=(), kernel_cache: str | None = None) -> dict:
     """The XLA options of a deviceless compile that ``compile_for_target`` runs for itself:
     ``jax_compat.DEVICELESS_OWN_COMPILE_OPTIONS`` under the user's ``compiler_options`` (a
-    user's setting of the same option wins)."""
-    return {**dict(jax_compat.DEVICELESS_OWN_COMPILE_OPTIONS), **dict(compiler_options)}
+    user's setting of the same option wins).
+
+    ``kernel_cache``: a file for XLA's kernel cache (``xla_gpu_kernel_cache_file``), shared by
+    the compiles of one call and deleted after it. XLA keys each kernel by its fused
+    computation's text (constants included) and its arguments, never by name, and reuses the
+    compiled binary; the entries are not keyed by target or compile options, so one file must
+    never outlive the call (one target, one set of options)."""
+    own = dict(jax_compat.DEVICELESS_OWN_COMPILE_OPTIONS)
+    if kernel_cache is not None:
+        own[jax_compat.KERNEL_CACHE_OPTION] = kernel_cache
+    return {**own, **dict(compiler_options)}
 
 
 def compile_replicated_for_target(hlo_text: str, devices: Sequence, compiler_options: dict | None = None,

@@ -40,6 +40,7 @@ import dataclasses
 import functools
 import logging
 import os
+import tempfile
 import time
 import warnings
 
@@ -239,32 +240,35 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
     hit = cache.lookup(seconds) if cache is not None else None
     if hit is not None:  # verified: every module parses, the handed one passes the verifier
         return TargetResult(**hit)
-    xla_opts = tuple(own_compile_options(options.compiler_options).items())
-    stock = compile_lowered(lowered, cluster, CompileOptions(
-        dump_lhs=via == "backend_only", dump_spmd=True, dump_scheduled=via == "backend_only", extra=xla_opts))
-    seconds["stock_compile"] = stock.compile_s
-    clock = TimeBudget.start(options, t_call, stock.compile_s)
-    _check_target_devices(target, devices_of(stock.compiled))
-    if stock.post_spmd_text is None:
-        raise RuntimeError("XLA wrote no post-SPMD module for the target compile; is XLA_FLAGS "
-                           "overriding --xla_dump_to?")
-    stock_text = stock.final_text
-    _dump(options.dump_dir, "captured.hlo", stock.post_spmd_text)
-    _dump(options.dump_dir, "stock_final.hlo", stock_text)
-    run = (functools.partial(_backend_only, guard_rewrites=guard_rewrites, lowered=lowered,
-                             envelope=envelope, clock=clock)
-           if via == "backend_only" else _pinned)
-    try:
-        out = run(stock, options, cluster, cost_model, seconds)
-    except Exception as e:  # noqa: BLE001 - never stuck: report the stock program
-        if not options.fallback:
-            raise
-        reason = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
-        warnings.warn(f"concerto_jax.compile_for_target: the optimised program could not be compiled "
-                      f"for {target} ({reason}); reporting the stock program", TargetFallbackWarning,
-                      stacklevel=2)
-        out = CompiledProgram(final=stock_text, emitted=None, scheduled=None, passes=(), pins=0, via="stock",
-                   fallback_reason=reason, failed=True)
+    # One XLA kernel cache for every compile of this call (D40): stock's, the rewritten
+    # program's, the threshold candidates' and the final one share most kernels.
+    with tempfile.TemporaryDirectory(prefix="concerto_kernels_") as kernels:
+        env = own_compile_options(options.compiler_options, kernel_cache=os.path.join(kernels, "kernels.pb"))
+        stock = compile_lowered(lowered, cluster, CompileOptions(
+            dump_lhs=via == "backend_only", dump_spmd=True, dump_scheduled=via == "backend_only", extra=tuple(env.items())))
+        seconds["stock_compile"] = stock.compile_s
+        clock = TimeBudget.start(options, t_call, stock.compile_s)
+        _check_target_devices(target, devices_of(stock.compiled))
+        if stock.post_spmd_text is None:
+            raise RuntimeError("XLA wrote no post-SPMD module for the target compile; is XLA_FLAGS "
+                               "overriding --xla_dump_to?")
+        stock_text = stock.final_text
+        _dump(options.dump_dir, "captured.hlo", stock.post_spmd_text)
+        _dump(options.dump_dir, "stock_final.hlo", stock_text)
+        run = (functools.partial(_backend_only, guard_rewrites=guard_rewrites, lowered=lowered,
+                                 envelope=envelope, clock=clock)
+               if via == "backend_only" else _pinned)
+        try:
+            out = run(stock, options, cluster, cost_model, seconds, env=env)
+        except Exception as e:  # noqa: BLE001 - never stuck: report the stock program
+            if not options.fallback:
+                raise
+            reason = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+            warnings.warn(f"concerto_jax.compile_for_target: the optimised program could not be compiled "
+                          f"for {target} ({reason}); reporting the stock program", TargetFallbackWarning,
+                          stacklevel=2)
+            out = CompiledProgram(final=stock_text, emitted=None, scheduled=None, passes=(), pins=0, via="stock",
+                       fallback_reason=reason, failed=True)
     t0 = time.perf_counter()
     m = measure(out.final, stock_text, cost_model, planned_text=out.planned,
                 planned_judged=out.planned_judged)
@@ -343,7 +347,8 @@ scheduled module and "pin" is not used; every other pass rewrites the post-SPMD 
 
 
 def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewrites: bool = True,
-                  lowered=None, envelope=None, clock: TimeBudget | None = None) -> CompiledProgram:
+                  lowered=None, envelope=None, clock: TimeBudget | None = None,
+                  env: dict | None = None) -> CompiledProgram:
     """The backend-only path (module docstring); raises on any failure (the caller falls back).
 
     ``clock`` (``Options.deviceless.time_budget_s``): the threshold searches and the replicated-only
@@ -367,7 +372,7 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
     ``judge.measure``, which then does not simulate the plan a second time.
     """
     devices = devices_of(stock.compiled)
-    env = own_compile_options(options.compiler_options)
+    env = own_compile_options(options.compiler_options) if env is None else env
     records: list = []
     rewriting = tuple(p for p in options.passes if p not in PLAN_PASSES)
     # The module XLA's post-scheduling pipelines receive (= after LHS where LHS runs; the
@@ -535,7 +540,7 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
                            scheduled=handed, passes=records, pins=0, via="backend_only", **plan.memory)
 
 
-def _pinned(stock, options, cluster, cost_model, seconds: dict) -> CompiledProgram:
+def _pinned(stock, options, cluster, cost_model, seconds: dict, env: dict | None = None) -> CompiledProgram:
     """The pin path (module docstring); raises on any failure (the caller falls back)."""
     t0 = time.perf_counter()
     pipeline_result = pipeline.run(stock.post_spmd_text, _pipeline_options(options),
@@ -545,8 +550,8 @@ def _pinned(stock, options, cluster, cost_model, seconds: dict) -> CompiledProgr
     scheduled = _scheduled(pipeline_result.text)
     _dump(options.dump_dir, "scheduled.hlo", scheduled)
     devices = devices_of(stock.compiled)
-    final, _, dt = compile_replicated_for_target(pipeline_result.text, devices,
-                                             own_compile_options(options.compiler_options))
+    final, _, dt = compile_replicated_for_target(
+        pipeline_result.text, devices, own_compile_options(options.compiler_options) if env is None else env)
     seconds["compile"] = dt
     _dump(options.dump_dir, "final.hlo", final)
     pins = sum(int(rec.stats.get("pinned", 0)) for rec in pipeline_result.passes if rec.name == "pin")
