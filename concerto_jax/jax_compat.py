@@ -122,20 +122,33 @@ def collective_pipeliner_options(on: bool) -> tuple[tuple[str, str], ...]:
 
 # -- our own deviceless compiles (checked on 0.11.2, 0.12.0.1) ---------------------------------
 
-DEVICELESS_OWN_COMPILE_OPTIONS = (("xla_gpu_experimental_enable_fusion_autotuner", False),)
-"""XLA options of the deviceless compiles ``compile_for_target`` runs for itself (stock's
-reference compile, XLA's pipeline on a rewritten program, the threshold candidates), never
-of a compile a user runs.
+FUSION_AUTOTUNER_OFF = (("xla_gpu_experimental_enable_fusion_autotuner", False),)
+"""XLA options that turn the generic-fusion autotuner off (``deviceless_own_compile_options``)."""
 
-Why: on a deviceless target XLA's generic-fusion autotuner (the ``config-assigner`` pass) has
-no device to measure on; it compiles every loop and input fusion through the GPU pipeline and
-then gives each the default emitter config (``NATIVE_EMITTER_TYPE_INVALID``, unroll 0, which
-the emitters read as no config). That is about half of XLA's whole compile of a step (the
-1-layer TP=8 held-out step, one 2-core machine shared with other jobs: 40.3 -> 22.4 s on
-0.12.0.1, 42.5 -> 30.1 s on 0.11.2). With it off, XLA's scheduled and final modules are the
-same but for that annotation and the ``fingerprint_before_lhs`` attribute
-(``tests/test_target.py::test_own_compile_options_change_no_kernel``). GEMM fusions are
-assigned by the same pass under another switch and keep their configs."""
+FUSION_AUTOTUNER_OFF_FROM = (0, 12)
+"""The first JAX release line where ``FUSION_AUTOTUNER_OFF`` is used (checked on 0.12.0.1). On
+0.11.2 its config assigner then finds no default config for some Triton GEMM fusions of a
+rewritten program ("TritonBackend does not support a default config"; the replicated-collectives
+retry of ``tests/test_compile_for_target.py``), so that release keeps the autotuner."""
+
+
+def deviceless_own_compile_options() -> tuple[tuple[str, object], ...]:
+    """XLA options of the deviceless compiles ``compile_for_target`` runs for itself (stock's
+    reference compile, XLA's pipeline on a rewritten program, the threshold candidates), never
+    of a compile a user runs.
+
+    Why: on a deviceless target XLA's generic-fusion autotuner (the ``config-assigner`` pass) has
+    no device to measure on; it compiles every loop and input fusion through the GPU pipeline and
+    then gives each the default emitter config (``NATIVE_EMITTER_TYPE_INVALID``, unroll 0, which
+    the emitters read as no config). That is about half of XLA's whole compile of a step (the
+    1-layer TP=8 held-out step, one 2-core machine shared with other jobs: 40.3 -> 22.4 s on
+    0.12.0.1). With it off, XLA's scheduled and final modules are the same but for that
+    annotation and the ``fingerprint_before_lhs`` attribute
+    (``tests/test_target.py::test_own_compile_options_change_no_kernel``). GEMM fusions keep
+    their configs on 0.12; on 0.11.2 some lose their default one (``FUSION_AUTOTUNER_OFF_FROM``),
+    so there nothing is set."""
+    return FUSION_AUTOTUNER_OFF if parse_version(jax.__version__) >= FUSION_AUTOTUNER_OFF_FROM else ()
+
 
 KERNEL_CACHE_OPTION = "xla_gpu_kernel_cache_file"
 """XLA's kernel cache: compiled kernels written to this file, found again by the fingerprint of

@@ -197,7 +197,7 @@ def without_default_emitter_configs(text: str) -> str:
     default emitter config, ``NATIVE_EMITTER_TYPE_INVALID`` with unroll 0, and the defaults
     written beside it; an emptied one goes), and the module's ``fingerprint_before_lhs`` (a
     hash of the text) goes. Two compiles that differ only in running that autotuner give the
-    same result (``concerto_jax.jax_compat.DEVICELESS_OWN_COMPILE_OPTIONS``)."""
+    same result (``concerto_jax.jax_compat.deviceless_own_compile_options``)."""
     out = []
     for line in text.splitlines():
         line = re.sub(r'fingerprint_before_lhs="[0-9a-f]*"', "", line)

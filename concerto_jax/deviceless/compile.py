@@ -302,7 +302,7 @@ def _copy_to_reshape(text: str) -> str:
 
 def own_compile_options(compiler_options=(), kernel_cache: str | None = None) -> dict:
     """The XLA options of a deviceless compile that ``compile_for_target`` runs for itself:
-    ``jax_compat.DEVICELESS_OWN_COMPILE_OPTIONS`` under the user's ``compiler_options`` (a
+    ``jax_compat.deviceless_own_compile_options()`` under the user's ``compiler_options`` (a
     user's setting of the same option wins).
 
     ``kernel_cache``: a file for XLA's kernel cache (``xla_gpu_kernel_cache_file``), shared by
@@ -310,7 +310,7 @@ def own_compile_options(compiler_options=(), kernel_cache: str | None = None) ->
     computation's text (constants included) and its arguments, never by name, and reuses the
     compiled binary; the entries are not keyed by target or compile options, so one file must
     never outlive the call (one target, one set of options)."""
-    own = dict(jax_compat.DEVICELESS_OWN_COMPILE_OPTIONS)
+    own = dict(jax_compat.deviceless_own_compile_options())
     if kernel_cache is not None:
         own[jax_compat.KERNEL_CACHE_OPTION] = kernel_cache
     return {**own, **dict(compiler_options)}
