@@ -31,6 +31,8 @@ import statistics
 import threading
 import time
 
+from concerto_jax.costmodel.collectives import COLLECTIVE_OPS
+
 log = logging.getLogger(__name__)
 
 COLUMNS = ("case", "cluster",
@@ -148,8 +150,7 @@ def calibrate(repeats: int = 15, out: str | None = None) -> dict:
     return result
 
 
-_COLLECTIVE = re.compile(r"\s(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute|"
-                         r"ragged-all-to-all)(-start)?\(")
+_COLLECTIVE = re.compile(r"\s(" + "|".join(map(re.escape, (*COLLECTIVE_OPS, "ragged-all-to-all"))) + r")(-start)?\(")
 
 
 def only_synchronous_collectives(text: str) -> bool:

@@ -346,9 +346,8 @@ PLAN_PASSES = frozenset({"schedule", "pin"})
 scheduled module and "pin" is not used; every other pass rewrites the post-SPMD module first."""
 
 
-def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewrites: bool = True,
-                  lowered=None, envelope=None, clock: TimeBudget | None = None,
-                  env: dict | None = None) -> CompiledProgram:
+def _backend_only(stock, options, cluster, cost_model, seconds: dict, *, env: dict, guard_rewrites: bool = True,
+                  lowered=None, envelope=None, clock: TimeBudget | None = None) -> CompiledProgram:
     """The backend-only path (module docstring); raises on any failure (the caller falls back).
 
     ``clock`` (``Options.deviceless.time_budget_s``): the threshold searches and the replicated-only
@@ -372,7 +371,6 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
     ``judge.measure``, which then does not simulate the plan a second time.
     """
     devices = devices_of(stock.compiled)
-    env = own_compile_options(options.compiler_options) if env is None else env
     records: list = []
     rewriting = tuple(p for p in options.passes if p not in PLAN_PASSES)
     # The module XLA's post-scheduling pipelines receive (= after LHS where LHS runs; the
@@ -546,7 +544,7 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, guard_rewr
                            scheduled=handed, passes=records, pins=0, via="backend_only", **plan.memory)
 
 
-def _pinned(stock, options, cluster, cost_model, seconds: dict, env: dict | None = None) -> CompiledProgram:
+def _pinned(stock, options, cluster, cost_model, seconds: dict, *, env: dict) -> CompiledProgram:
     """The pin path (module docstring); raises on any failure (the caller falls back)."""
     t0 = time.perf_counter()
     pipeline_result = pipeline.run(stock.post_spmd_text, _pipeline_options(options),
@@ -556,8 +554,7 @@ def _pinned(stock, options, cluster, cost_model, seconds: dict, env: dict | None
     scheduled = _scheduled(pipeline_result.text)
     _dump(options.dump_dir, "scheduled.hlo", scheduled)
     devices = devices_of(stock.compiled)
-    final, _, dt = compile_replicated_for_target(
-        pipeline_result.text, devices, own_compile_options(options.compiler_options) if env is None else env)
+    final, _, dt = compile_replicated_for_target(pipeline_result.text, devices, env)
     seconds["compile"] = dt
     _dump(options.dump_dir, "final.hlo", final)
     pins = sum(int(rec.stats.get("pinned", 0)) for rec in pipeline_result.passes if rec.name == "pin")
