@@ -19,6 +19,8 @@
 #   most 8 files in $OUT/gc (checks, calibration tables, the log, the raw profiles as one tar.gz).
 #
 # probe: bench/gpu/dispatch_probe.py into $OUT/probe (plain jit vs the route vs optimize).
+# nccl: bench/gpu/nccl_tuner_probe.py into $OUT/nccl (our NCCL tuner plugin in the machine's NCCL;
+#   built there, or the copy prepare built into .gpu_prepared/nccl_tuner/).
 #
 # The device tool's call (device time: about 10 minutes of a 15-minute lease):
 #   run(command="bash bench/gpu/run_gpu_check.sh device", carry=[".whl", ".gpu_prepared"],
@@ -45,6 +47,7 @@ prepare() {
     JAX_PLATFORMS=cpu "$py" -m concerto_jax.gpu_check --prepare .gpu_prepared --cases all \
         --out .gpu_prepared/report
     JAX_PLATFORMS=cpu "$py" -m concerto_jax.gpu_check --out .gpu_prepared/cpu_half
+    "$py" -c 'import sys; from concerto_jax.autoccl import plugin; plugin.build(sys.argv[1])' .gpu_prepared/nccl_tuner
     du -sh .whl .gpu_prepared
 }
 
@@ -64,6 +67,19 @@ probe() {  # where optimize's step time goes (bench/gpu/dispatch_probe.py): abou
         python3 bench/gpu/dispatch_probe.py --out "$out" > "$out/log" 2>&1
     local rc=$?
     grep "dispatch_probe" "$out/log" | tail -14
+    set -e
+    return "$rc"
+}
+
+nccl() {  # the NCCL tuner plugin in the machine's own NCCL: about 30 s
+    local out="${OUT:-/tmp/out}/nccl"
+    mkdir -p "$out"
+    install
+    set +e
+    PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 timeout "${NCCL_TIMEOUT_S:-150}" \
+        python3 bench/gpu/nccl_tuner_probe.py --out "$out" > "$out/log" 2>&1
+    local rc=$?
+    tail -5 "$out/log"
     set -e
     return "$rc"
 }
@@ -101,5 +117,6 @@ case "${1:-}" in
     prepare) prepare ;;
     device) shift; device "$@" ;;
     probe) probe ;;
-    *) echo "usage: $0 prepare|device [ARGS]|probe" >&2; exit 2 ;;
+    nccl) nccl ;;
+    *) echo "usage: $0 prepare|device [ARGS]|probe|nccl" >&2; exit 2 ;;
 esac

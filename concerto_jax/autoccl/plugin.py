@@ -54,6 +54,7 @@ __all__ = [
     "POLL_ENV",
     "RACY_ENV",
     "TABLE_ENV",
+    "TRACE_ENV",
     "PluginBuildError",
     "TableRow",
     "build",
@@ -78,6 +79,9 @@ POLL_ENV = "CONCERTO_NCCL_TUNER_POLL_US"  # min microseconds between two checks 
 # microseconds during which a just-modified file is read again although its identity (inode,
 # size, mtime, ctime) is unchanged (default 25 ms; raise on file systems with coarse timestamps)
 RACY_ENV = "CONCERTO_NCCL_TUNER_RACY_US"
+# set (not "0"): one INFO line through NCCL's logger per getCollInfo call: what NCCL asked (collective,
+# bytes, pipelined ops, table size, registered buffer) and what the table answered
+TRACE_ENV = "CONCERTO_NCCL_TUNER_TRACE"
 TABLE_HEADER = "concerto-tuner-table 3"
 _SOURCES = ("concerto_tuner.c",)
 _HEADERS = ("concerto_tuner_api.h",)

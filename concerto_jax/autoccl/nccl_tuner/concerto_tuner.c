@@ -98,6 +98,7 @@ typedef struct {
   size_t seen_len;
   long long last_check_ns;         /* atomic */
   unsigned long long reloads, rejects; /* guarded by lock */
+  int trace;                       /* CONCERTO_NCCL_TUNER_TRACE: log every call */
 } context_t;
 
 #define LOG(ctx, level, ...) \
@@ -380,6 +381,8 @@ static ncclResult_t concerto_init(size_t nRanks, size_t nNodes, ncclDebugLogger_
   ctx->poll_ns = poll ? atoll(poll) * 1000LL : 0;
   const char* racy = getenv(CONCERTO_TUNER_RACY_ENV);
   ctx->racy_ns = racy && *racy ? atoll(racy) * 1000LL : DEFAULT_RACY_NS;
+  const char* trace = getenv(CONCERTO_TUNER_TRACE_ENV);
+  ctx->trace = trace && *trace && strcmp(trace, "0") != 0;
   ctx->last_check_ns = now_ns() - ctx->poll_ns - 1; /* the first call always looks */
   if (!path || !*path) {
     LOG(ctx, NCCL_LOG_WARN, "concerto tuner: %s not set; using NCCL defaults", CONCERTO_TUNER_TABLE_ENV);
@@ -396,29 +399,39 @@ static ncclResult_t concerto_init(size_t nRanks, size_t nNodes, ncclDebugLogger_
 static ncclResult_t concerto_get_coll_info_v4(void* context, ncclFunc_t collType, size_t nBytes, int numPipeOps,
                                               float** collCostTable, int numAlgo, int numProto, int regBuff,
                                               int* nChannels) {
-  (void)numPipeOps; (void)regBuff;
   context_t* ctx = (context_t*)context;
   if (!ctx || !collCostTable || (int)collType < 0 || (int)collType >= CONCERTO_NUM_FUNCS) return ncclSuccess;
   maybe_reload(ctx);
   table_t* t = __atomic_load_n(&ctx->current, __ATOMIC_ACQUIRE); /* one whole table for this call */
-  if (!t) return ncclSuccess;
-  unsigned long long occ =
-      __atomic_fetch_add(&t->counters[collType * SIZE_CLASSES + size_class(nBytes)], 1ULL, __ATOMIC_RELAXED);
-  float* table = (float*)collCostTable; /* contiguous [numAlgo][numProto] */
-  for (int i = 0; i < t->n_rules; i++) {
-    const rule_t* r = &t->rules[i];
-    if ((r->coll != ANY && r->coll != (int)collType) || nBytes < r->lo || nBytes > r->hi) continue;
-    if (r->nranks != ANY && (size_t)r->nranks != ctx->n_ranks) continue;
-    if (r->period > 0 && (int)(occ % (unsigned long long)r->period) != r->occ) continue;
-    if (r->algo != ANY) {
-      if (r->algo >= numAlgo || r->proto >= numProto) return ncclSuccess; /* not in this NCCL's table */
-      float* cell = &table[r->algo * numProto + r->proto];
-      if (*cell == CONCERTO_ALGO_PROTO_IGNORE) return ncclSuccess; /* unavailable here: NCCL decides */
-      *cell = 0.0f;
+  int matched = -1;
+  const char* answer = "no table: NCCL decides";
+  if (t) {
+    unsigned long long occ =
+        __atomic_fetch_add(&t->counters[collType * SIZE_CLASSES + size_class(nBytes)], 1ULL, __ATOMIC_RELAXED);
+    float* table = (float*)collCostTable; /* contiguous [numAlgo][numProto] */
+    answer = "no rule matched: NCCL decides";
+    for (int i = 0; i < t->n_rules; i++) {
+      const rule_t* r = &t->rules[i];
+      if ((r->coll != ANY && r->coll != (int)collType) || nBytes < r->lo || nBytes > r->hi) continue;
+      if (r->nranks != ANY && (size_t)r->nranks != ctx->n_ranks) continue;
+      if (r->period > 0 && (int)(occ % (unsigned long long)r->period) != r->occ) continue;
+      matched = i;
+      answer = "rule applied";
+      if (r->algo != ANY) {
+        if (r->algo >= numAlgo || r->proto >= numProto) { answer = "cell not in this NCCL's table: NCCL decides"; break; }
+        float* cell = &table[r->algo * numProto + r->proto];
+        if (*cell == CONCERTO_ALGO_PROTO_IGNORE) { answer = "cell unavailable here: NCCL decides"; break; }
+        *cell = 0.0f;
+      }
+      if (r->channels > 0 && nChannels) *nChannels = r->channels;
+      break;
     }
-    if (r->channels > 0 && nChannels) *nChannels = r->channels;
-    return ncclSuccess;
   }
+  if (ctx->trace)
+    LOG(ctx, NCCL_LOG_INFO,
+        "concerto tuner: getCollInfo %s nBytes=%zu numPipeOps=%d numAlgo=%d numProto=%d regBuff=%d -> rule %d, %s, "
+        "nChannels=%d",
+        kColls[collType], nBytes, numPipeOps, numAlgo, numProto, regBuff, matched, answer, nChannels ? *nChannels : -1);
   return ncclSuccess;
 }
 

@@ -89,5 +89,7 @@ typedef struct {
  * (inode, size, mtime, ctime) did not change (default 25000; raise it on file systems with
  * coarse timestamps, e.g. 2000000 for 1-second ones). */
 #define CONCERTO_TUNER_RACY_ENV "CONCERTO_NCCL_TUNER_RACY_US"
+/* set (non-empty, not "0"): one INFO line per getCollInfo call (what NCCL asked, what we answered) */
+#define CONCERTO_TUNER_TRACE_ENV "CONCERTO_NCCL_TUNER_TRACE"
 
 #endif /* CONCERTO_TUNER_API_H_ */
