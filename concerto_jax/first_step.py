@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -189,6 +190,91 @@ def differences(reference: Any, got: Any, tolerance: float = 0.0, limit: int = 5
         if len(bad) >= limit:
             break
     return bad
+
+
+SPREAD_FACTOR = 4.0
+"""How far (per leaf, largest absolute difference) the optimised outputs may be from the
+original's where the original itself is not reproducible, in units of the original's own
+run-to-run difference on that leaf (``within_spread``)."""
+
+NONDETERMINISTIC_GPU_OPS = re.compile(r"= [^=]*\b(scatter|select-and-scatter)\(")
+"""HLO instructions XLA:GPU may run with atomics (a different summation order each run) unless
+``--xla_gpu_exclude_nondeterministic_ops`` (or ``--xla_gpu_deterministic_ops``) is set."""
+
+_DETERMINISTIC_FLAGS = re.compile(r"--xla_gpu_(exclude_nondeterministic_ops|deterministic_ops)(=true|=1)?(\s|$)")
+
+
+def platform_of(tree: Any) -> str:
+    """The platform of the devices holding the first array in ``tree`` (JAX's default else)."""
+    for leaf in jax.tree.leaves(tree):
+        devices = getattr(getattr(leaf, "sharding", None), "device_set", None)
+        if devices:
+            return next(iter(devices)).platform
+    return jax.default_backend()
+
+
+def may_vary_between_runs(hlo_text: str | None, platform: str) -> bool:
+    """Whether two runs of the original step may differ bitwise on ``platform``: a GPU step
+    with a scatter or select-and-scatter, without XLA's flags that make them deterministic."""
+    if platform not in ("gpu", "cuda", "rocm") or not hlo_text:
+        return False
+    if _DETERMINISTIC_FLAGS.search(os.environ.get("XLA_FLAGS", "")):
+        return False
+    return NONDETERMINISTIC_GPU_OPS.search(hlo_text) is not None
+
+
+def within_spread(reference: Any, again: Any, got: Any, factor: float = SPREAD_FACTOR,
+                  limit: int = 5) -> tuple[bool, list[str], str]:
+    """Judges ``got`` against an original that is not reproducible: ``reference`` and
+    ``again`` are two runs of the original on the same inputs.
+
+    Every leaf where the two runs agree bitwise must agree bitwise in ``got`` too; a float leaf
+    where they differ may differ from ``reference`` by at most ``factor`` times their largest
+    absolute difference (with the same NaN/inf positions). Returns (ok, the leaves that fail,
+    a sentence on the original's own spread).
+    """
+    ref_leaves, ref_tree = jax.tree_util.tree_flatten_with_path(reference)
+    again_leaves = jax.tree.leaves(again)
+    got_leaves = jax.tree.leaves(got)
+    if ref_tree != jax.tree.structure(got) or len(got_leaves) != len(ref_leaves) or \
+            len(again_leaves) != len(ref_leaves):
+        return False, ["output structure differs"], ""
+    bad, varied = [], 0
+    for (path, r), a, g in zip(ref_leaves, again_leaves, got_leaves, strict=True):
+        name = jax.tree_util.keystr(path) or "<output>"
+        if not all(isinstance(x, jax.Array) for x in (r, a, g)):
+            if not np.array_equal(np.asarray(r), np.asarray(g)):
+                bad.append(f"{name}: values differ")
+            continue
+        if (g.dtype, g.shape) != (r.dtype, r.shape):
+            bad.append(f"{name}: {g.dtype}{g.shape} vs {r.dtype}{r.shape}")
+            continue
+        for rs, as_, gs in zip(_host_shards(r), _host_shards(a), _host_shards(g), strict=True):
+            if np.array_equal(_bits(rs), _bits(as_)):
+                if not np.array_equal(_bits(rs), _bits(gs)):
+                    bad.append(f"{name}: differs where two runs of the original agree bitwise")
+                    break
+                continue
+            varied += 1
+            if not _is_float(rs.dtype) or np.iscomplexobj(rs):
+                bad.append(f"{name}: a non-float leaf the original itself does not reproduce")
+                break
+            x, y, z = (v.astype(np.float64) for v in (rs, as_, gs))
+            if not np.array_equal(np.isfinite(x), np.isfinite(z)):
+                bad.append(f"{name}: non-finite values at other positions")
+                break
+            fin = np.isfinite(x) & np.isfinite(y)
+            spread = float(np.abs(x - y)[fin].max()) if fin.any() else 0.0
+            dev = float(np.abs(x - z)[np.isfinite(x)].max()) if np.isfinite(x).any() else 0.0
+            if dev > factor * spread:
+                bad.append(f"{name}: max |diff| {dev:.3g}, above {factor:g}x the original's own "
+                           f"{spread:.3g}")
+                break
+        if len(bad) >= limit:
+            break
+    words = (f"the original itself differs between two runs on {varied} shard(s) (atomic "
+             f"scatters): judged against that spread ({factor:g}x)")
+    return not bad, bad, words
 
 
 ACCURACY_FACTOR = 2.0

@@ -51,6 +51,9 @@ class StepEntry:
     # Options.optimize.first_step_reference="wider": builds the step in wider precision (the second
     # judge of a first step past the tolerance); None: no such judge
     wider: Callable[[], Any] | None = None
+    # JAX's C++ dispatch of ``runner`` once the signature is settled (``jax_compat.
+    # guarded_cpp_call``): None until made, False where the runner has none
+    fast: Any = None
 
 
 
@@ -139,6 +142,36 @@ class FirstStepPolicy:
             return True, f"pending (auto: {why})"
         return True, "pending"
 
+    def _second_reference_inputs(self, entry: StepEntry, args: tuple, kwargs: dict):
+        """A copy of the inputs for a second run of the original, or None: only for an
+        order-only signature (tolerance 0) whose original may not reproduce itself bitwise
+        (``first_step.may_vary_between_runs``), and under "auto" only where a second copy fits."""
+        if entry.tolerance != 0 or not first_step.may_vary_between_runs(
+                entry.captured, first_step.platform_of((args, kwargs))):
+            return None
+        if self.options.optimize.check_first_step == "auto":
+            # both checks' copies and outputs, the outputs counted as large as the inputs
+            dyn_args, dyn_kwargs = self._static.dynamic(args, kwargs)
+            fits, _ = first_step.fits_in_memory(jax.tree.leaves((dyn_args, dyn_kwargs)), (), (), copies=4)
+            if not fits:
+                return None
+        return first_step.copy_arrays((args, kwargs))
+
+    def _judged_by_spread(self, reference: Any, again: tuple, got: Any,
+                          bad: list[str]) -> tuple[list[str], str]:
+        """Runs the original a second time (on ``again``); where it does not reproduce its first
+        run, judges ``got`` by that spread (``first_step.within_spread``). Returns the
+        differences that stand and the report's words (empty where the original reproduced)."""
+        second = self._fn(*again[0], **again[1])
+        jax.block_until_ready(second)
+        if not first_step.differences(reference, second, 0.0, limit=1):
+            return bad, ""  # the original reproduces itself: the bitwise verdict stands
+        ok, spread_bad, words = first_step.within_spread(reference, second, got)
+        if not multiprocess.all_succeeded(ok):
+            return (spread_bad or ["another process found a difference beyond the spread"]) + \
+                [f"({words})"], ""
+        return [], words
+
     def _judged_wider(self, entry: StepEntry, spare: tuple, reference: Any, got: Any) -> tuple[bool, str]:
         """Run the step in wider precision on ``spare`` (a copy of the inputs) and judge whether
         ``got`` is as accurate as ``reference`` against it. Returns (kept, the report's words);
@@ -190,6 +223,9 @@ class FirstStepPolicy:
         copies_args, copies_kwargs = first_step.copy_arrays((args, kwargs))
         # the wider-precision judge's inputs: copied before either step may donate them
         spare = first_step.copy_arrays((args, kwargs)) if entry.wider is not None else None
+        # a second run of the original, where it may not reproduce itself (atomic scatters on
+        # a GPU): only a first step that differs bitwise runs it
+        again = self._second_reference_inputs(entry, args, kwargs)
         if self.options.compiler_options:  # the original compiled as ours was
             original = self._fn.lower(*copies_args, **copies_kwargs).compile(
                 compiler_options=dict(self.options.compiler_options))
@@ -210,13 +246,17 @@ class FirstStepPolicy:
             got = None
         bad = ([f"the optimised step failed to run ({failed})"] if failed is not None
                else first_step.differences(reference, got, entry.tolerance))
+        spread_words = ""
+        if bad and failed is None and again is not None:
+            bad, spread_words = self._judged_by_spread(reference, again, got, bad)
         same = multiprocess.all_succeeded(not bad)
         entry.check_pending = False
         how = "bitwise" if entry.tolerance == 0 else f"within relative tolerance {entry.tolerance:g}"
         if same:
             entry.wider = None
-            entry.report = dataclasses.replace(
-                entry.report, first_step_check=f"ran: outputs equal the original's ({how})" + entry.note)
+            verdict = (f"ran: outputs equal the original's ({how})" if not spread_words else
+                       f"ran: outputs within the original's own run-to-run spread ({spread_words})")
+            entry.report = dataclasses.replace(entry.report, first_step_check=verdict + entry.note)
             return got
         found = "; ".join(bad) if bad else "another process found a difference"
         if spare is not None and failed is None:

@@ -482,6 +482,41 @@ def swapped_step(original, loaded_executable, *, assemble_outputs: bool):
                            original._no_kwargs, params.in_types, params.out_types)
 
 
+def guarded_cpp_call(compiled, guard) -> Any:
+    """JAX's C++ dispatcher for ``compiled`` whose cache misses ask ``guard`` first, or None.
+
+    ``jax.stages.Compiled`` dispatches through a C++ ``PjitFunction`` (``MeshExecutable.
+    create_cpp_call``): a call whose argument signature (tree, shapes, dtypes, weak types,
+    shardings, committedness) it has seen runs without Python; any other call reaches its
+    Python cache miss, which checks the arguments (shapes and dtypes; not weak types) and runs.
+    This returns a second ``PjitFunction`` over the same cache miss with ``guard(*args,
+    **kwargs)`` called first: ``guard`` raises to refuse a signature (the caller's own key
+    differs), and a refused signature is never cached. ``optimize``'s wrapper uses it so that a
+    settled signature costs no Python keying per call. None where the executable has no C++
+    dispatch (host callbacks, unordered effects, assembled outputs) or this JAX lacks the pieces.
+    """
+    from jax._src import tree_util  # lazy: JAX internals (the note at ``import jax``)
+    from jax._src.interpreters import pxla  # lazy: as above
+    from jax._src.lib import _jax  # lazy: as above
+
+    try:
+        inner = compiled._executable.create_cpp_call(compiled._params)
+        if inner is None:
+            return None
+        miss = inner._cache_miss
+        keys = pxla.JitGlobalCppCacheKeys()
+    except Exception as e:  # noqa: BLE001 - another JAX: the caller keys every call itself
+        log.info("no guarded C++ dispatch (%s: %s)", type(e).__name__, e)
+        return None
+
+    def cache_miss(*args, **kwargs):
+        guard(*args, **kwargs)
+        return miss(*args, **kwargs)
+
+    return _jax.pjit(getattr(inner, "__name__", "concerto_step"), None, cache_miss, [], [], keys,
+                     tree_util.dispatch_registry, pxla.cc_shard_arg)
+
+
 class _Assemble:
     """A result handler that gets an output's per-device arrays (``consume_with_handlers``
     passes a Python callable the list) and has JAX's C++ handler assemble the global array."""

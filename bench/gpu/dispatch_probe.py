@@ -77,6 +77,9 @@ def main() -> int:
             except Exception as e:  # noqa: BLE001
                 log.warning("%s %s: no module text: %s", name, label, e)
         med = interleaved_step_us(fns, case, rounds=args.rounds, per=args.per)
+        rep = fns["optimize"].report()
+        log.info("%s optimize: executable %s; first-step check: %s; fallback: %s", name, rep.executable,
+                 rep.first_step_check, rep.fallback_reason)
         for k, us in med.items():
             rows.append({"step": name, "variant": k, "median_step_us": round(us, 1),
                          "vs_plain": round(us / med["plain"], 3)})
