@@ -160,16 +160,19 @@ class FirstStepPolicy:
     def _judged_by_spread(self, reference: Any, again: tuple, got: Any,
                           bad: list[str]) -> tuple[list[str], str]:
         """Runs the original a second time (on ``again``); where it does not reproduce its first
-        run, judges ``got`` by that spread (``first_step.within_spread``). Returns the
-        differences that stand and the report's words (empty where the original reproduced)."""
-        second = self._fn(*again[0], **again[1])
+        run, judges ``got`` by that spread (``first_step.within_spread``), elsewhere the bitwise
+        verdict ``bad`` stands. Every process calls it (some process found a difference) and all
+        must agree. Returns the differences that stand and the report's words (empty where the
+        original reproduced itself)."""
+        second = self._fn(*again[0], **again[1])  # every process runs it (one SPMD program)
         jax.block_until_ready(second)
-        if not first_step.differences(reference, second, 0.0, limit=1):
-            return bad, ""  # the original reproduces itself: the bitwise verdict stands
-        ok, spread_bad, words = first_step.within_spread(reference, second, got)
+        if got is None or not first_step.differences(reference, second, 0.0, limit=1):
+            ok, spread_bad, words = not bad, bad, ""  # reproduced here: the bitwise verdict stands
+        else:
+            ok, spread_bad, words = first_step.within_spread(reference, second, got)
+            spread_bad = spread_bad + [f"({words})"] if spread_bad else spread_bad
         if not multiprocess.all_succeeded(ok):
-            return (spread_bad or ["another process found a difference beyond the spread"]) + \
-                [f"({words})"], ""
+            return spread_bad or ["another process found a difference beyond the spread"], ""
         return [], words
 
     def _judged_wider(self, entry: StepEntry, spare: tuple, reference: Any, got: Any) -> tuple[bool, str]:
@@ -247,7 +250,8 @@ class FirstStepPolicy:
         bad = ([f"the optimised step failed to run ({failed})"] if failed is not None
                else first_step.differences(reference, got, entry.tolerance))
         spread_words = ""
-        if bad and failed is None and again is not None:
+        # every process takes these branches together: each runs the original again or none does
+        if multiprocess.all_succeeded(again is not None) and not multiprocess.all_succeeded(not bad):
             bad, spread_words = self._judged_by_spread(reference, again, got, bad)
         same = multiprocess.all_succeeded(not bad)
         entry.check_pending = False
