@@ -46,7 +46,7 @@ import logging
 import re
 from collections.abc import Callable, Mapping
 
-from concerto_jax.costmodel.hlo_ops import array_leaves, op_info
+from concerto_jax.costmodel.hlo_ops import OpInfoCache, array_leaves, op_info
 from concerto_jax.costmodel.model import CostModel
 from concerto_jax.taskgraph import CollectiveInfo, Event, Phase, Task, TaskGraph, TaskKind
 from hlo_passes.ir import (
@@ -176,7 +176,8 @@ def build_taskgraph(module, cost_model: CostModel, *, fold_aliases: bool = True,
                     stream_of: Callable[[str], int] = default_stream, computation=None,
                     nested_us: Mapping[str, float] | None = None,
                     loop: LoopInfo | None = None,
-                    durations_us: Mapping[str, float] | None = None) -> HloTaskGraph:
+                    durations_us: Mapping[str, float] | None = None,
+                    infos: OpInfoCache | None = None, check: bool = True) -> HloTaskGraph:
     """Build the costed task graph of one computation of ``module`` and its order.
 
     Args:
@@ -195,6 +196,10 @@ def build_taskgraph(module, cost_model: CostModel, *, fold_aliases: bool = True,
         post-SPMD instruction's share of the XLA kernel it is fused into);
         ``nested_us`` wins where both name an instruction. Collectives and folded
         aliases are not affected.
+      infos: the module's ``OpInfoCache``, where the caller builds the same computation under
+        several cost models (the cost model's view of each instruction is made once).
+      check: validate the graph and its order (skip only for a graph already built and checked
+        from the same module under another cost model: the structure does not depend on costs).
 
     Returns:
       An ``HloTaskGraph``; ``events`` is the computation's order.
@@ -215,6 +220,7 @@ def build_taskgraph(module, cost_model: CostModel, *, fold_aliases: bool = True,
     task_of: dict[str, int] = {}
     aliases: dict[str, tuple[int, ...]] = {}
     cache: dict = {}
+    info_of = infos.info if infos is not None else (lambda inst: op_info(inst, cache))
 
     def sources(inst) -> set[int]:
         if inst.name in task_of:
@@ -261,7 +267,7 @@ def build_taskgraph(module, cost_model: CostModel, *, fold_aliases: bool = True,
                 tasks[i] = _costed_collective(tasks[i], kind, inst, inst, cost_model, num_devices)
                 events.append(Event(i, Phase.DONE))
             continue
-        info = op_info(inst, cache)
+        info = info_of(inst)
         out_bytes = 0 if alias else info.result_bytes
         duration = nested[inst.name] if inst.name in nested else cost_model.compute_us(info)
         i = add(Task(inst.name, TaskKind.COMPUTE, duration, out_bytes=out_bytes,
@@ -275,8 +281,9 @@ def build_taskgraph(module, cost_model: CostModel, *, fold_aliases: bool = True,
         if root is not None:
             preds[root] |= {p for p in params if p != root}
     graph = TaskGraph(tasks, preds)
-    graph.validate()
-    graph.check_schedule(events)
+    if check:
+        graph.validate()
+        graph.check_schedule(events)
     log.debug("built %r from %s of module %s", graph, entry.name, module.name)
     return HloTaskGraph(graph, events, task_of, aliases, module.name, entry.name, loop)
 

@@ -114,6 +114,45 @@ def test_each_variant_moves_a_real_final_module_the_stated_way():
         assert judge_parsed(module, v.cost_model(cluster)).us == judged[v.name].us
 
 
+def _scanned_module_text() -> str:
+    """XLA:CPU's final module of a 3-layer scan with an all-reduce in its body (8 devices)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(jax.devices()[:8], ("x",))
+
+    def body(h, w):
+        return jax.lax.psum(jnp.tanh(h @ w), "x"), None
+
+    @jax.jit
+    def step(h, ws):
+        f = jax.shard_map(lambda h, ws: jax.lax.scan(body, h, ws)[0], mesh=mesh,
+                          in_specs=(P(), P()), out_specs=P(), check_vma=False)
+        return f(h, ws)
+
+    return step.lower(jnp.ones((64, 128)), jnp.ones((3, 128, 128))).compile().as_text()
+
+
+def test_step_us_parsed_is_judge_parsed_us_under_every_model_loops_included():
+    """The envelope's lean path (one OpInfo per instruction for all models, no bounds, graphs
+    checked once) gives exactly ``judge_parsed(...).us``: on a final module and a scanned one."""
+    from concerto_jax.costmodel.hlo_ops import OpInfoCache
+    from concerto_jax.judge import judge_parsed
+    from concerto_jax.judge.module import step_us_parsed
+    from hlo_passes.ir.parser import parse_module
+
+    cluster = get_cluster("h100_sxm_8")
+    scanned = _scanned_module_text()
+    for text in (open(_FINAL).read(), scanned):
+        module, infos = parse_module(text), OpInfoCache()
+        for i, v in enumerate(ENVELOPE):
+            model = v.cost_model(cluster)
+            assert step_us_parsed(module, model, infos, check=i == 0) == judge_parsed(parse_module(text), model).us, v.name
+    assert "while(" in scanned
+
+
 def test_compare_decides_by_the_worst_case_and_reports_every_model():
     text = open(_FINAL).read()
     env = Envelope(get_cluster("h100_sxm_8"))

@@ -48,6 +48,22 @@ def op_info(inst, _cache: dict | None = None) -> OpInfo:
     return _op_info(inst, cache)
 
 
+class OpInfoCache:
+    """``op_info`` of the instructions of one parsed module, kept for several builds of its task
+    graphs (one per cost model: ``judge.envelope``). Keyed by object identity: keep the module
+    alive as long as the cache (store them together)."""
+
+    def __init__(self):
+        self.computations: dict = {}
+        self.instructions: dict[int, OpInfo] = {}
+
+    def info(self, inst) -> OpInfo:
+        found = self.instructions.get(id(inst))
+        if found is None:
+            found = self.instructions[id(inst)] = op_info(inst, self.computations)
+        return found
+
+
 def _async_compute_op(inst):
     """The op the generic ``async-start`` of a non-collective async pair runs, or None."""
     if inst.opcode != "async-start" or inst.collective_kind is not None:

@@ -15,16 +15,17 @@ from concerto_jax.costmodel.envelope import (
     Variant,
     VariantFigures,
 )
-from concerto_jax.judge.module import judge_parsed
+from concerto_jax.costmodel.hlo_ops import OpInfoCache
+from concerto_jax.judge.module import step_us_parsed
 from hlo_passes.ir.parser import parse_module
 
 log = logging.getLogger(__name__)
 
 
 class Envelope:
-    """Judges modules under every model of ``variants`` (``judge.judge_parsed``: each module
-    parsed once, simulated once per model, figures cached by its text) and decides over them
-    (``compare``).
+    """Judges modules under every model of ``variants`` (``judge.step_us_parsed``: each module
+    parsed once and its instructions described once, simulated once per model, figures cached by
+    its text) and decides over them (``compare``).
 
     Args:
       cluster: the target cluster.
@@ -48,9 +49,13 @@ class Envelope:
         digest = hashlib.sha256(text.encode()).hexdigest()
         if (digest, variant) not in self._us:
             t0 = time.perf_counter()
-            if digest not in self._parsed:
-                self._parsed[digest] = parse_module(text)
-            self._us[(digest, variant)] = float(judge_parsed(self._parsed[digest], self._models[variant]).us)
+            first = digest not in self._parsed
+            if first:  # the module and its instructions' OpInfos, shared by every model
+                self._parsed[digest] = (parse_module(text), OpInfoCache())
+            module, infos = self._parsed[digest]
+            # the task graphs' structure does not depend on the model: checked on the first build
+            self._us[(digest, variant)] = float(step_us_parsed(module, self._models[variant], infos,
+                                                               check=first))
             self.seconds += time.perf_counter() - t0
             self.simulations += 1
         return self._us[(digest, variant)]

@@ -73,6 +73,21 @@ class Judged:
 _CONTROL_FLOW = frozenset({"while", "conditional", "call"})
 
 
+def step_us_parsed(module, cost_model, infos, *, check: bool = False) -> float:
+    """``judge_parsed(module, cost_model).us`` alone (the entry in its own order, nested
+    computations in theirs), for judging one module under many cost models: each instruction's
+    ``OpInfo`` comes from ``infos`` (the module's ``hlo_ops.OpInfoCache``), no bound, overlap
+    or work sums, and the graphs are not validated again unless ``check``."""
+    sim_opts = SimOptions(overlap_slowdown=cost_model.options.overlap_slowdown, check=False, memory=False)
+    own: dict[str, float] = {}
+    comps = schedulable_computations(module)
+    for comp in comps:
+        hg = build_taskgraph(module, cost_model, computation=comp, nested_us=control_flow_durations(comp, own),
+                             infos=infos, check=check)
+        own[comp.name] = judge_graph(hg.graph, hg.events, sim=sim_opts).sim.step_time_us
+    return own[comps[-1].name]
+
+
 def judge_module(text: str, cost_model) -> Judged:
     """Every computation of ``text`` simulated in its own order, combined bottom-up, and the bound."""
     return judge_parsed(parse_module(text), cost_model)
