@@ -186,6 +186,21 @@ _TOLERANT = {("dot_free_dims", 1), ("dot_batch_dims", 1), ("dot_batch_dims", 2),
 chunk's smaller output: equal within rtol 1e-4 (no sum is reassociated by the split
 itself; the GEMM kernel's own blocking of the contraction differs with the shape)."""
 
+_CPU_DEPENDENT = {("all_reduce_matmul", 1), ("collective_permute", 1)}
+"""(case, axis) pairs bitwise equal on the AVX2 machines this suite ran on until 2026-11-27, and
+not on an AVX-512/AMX Xeon (2026-11-28): there XLA:CPU's kernels for the chunks' narrower rows
+round differently (the GEMM by up to 3e-5 relative, the exp/tanh chain by 1 ulp in one
+element). The split reassociates nothing; on such a machine they are held to ``_TOLERANT``'s
+bound, elsewhere to bitwise equality."""
+
+
+def _avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " avx512f" in f.read()
+    except OSError:
+        return False
+
 
 def _inputs(module, seed=0):
     rng = np.random.default_rng(seed)
@@ -247,7 +262,7 @@ def test_rule_split_matches_original(case):
             assert sum(".chunk" in i.name for i in new_module.entry.instructions) >= n
             got = _run(new_text, inputs)
             for a, b in zip(got, want, strict=True):
-                if (case, axis) in _TOLERANT:
+                if (case, axis) in _TOLERANT or ((case, axis) in _CPU_DEPENDENT and _avx512()):
                     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
                 else:
                     np.testing.assert_array_equal(a, b, err_msg=f"{case} axis {axis} N={n}")
