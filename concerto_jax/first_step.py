@@ -223,6 +223,24 @@ def may_vary_between_runs(hlo_text: str | None, platform: str) -> bool:
     return NONDETERMINISTIC_GPU_OPS.search(hlo_text) is not None
 
 
+def _array_triples(reference: Any, second: Any, third: Any, bad: list[str]):
+    """``(name, r, s, t)`` for each leaf of three outputs of one structure whose three leaves are
+    all arrays; a leaf that is not an array in all three is compared with ``reference``'s by value
+    (``third``'s) and its difference appended to ``bad``. None where the structures differ."""
+    ref_leaves, _ = jax.tree_util.tree_flatten_with_path(reference)
+    second_leaves, third_leaves = jax.tree.leaves(second), jax.tree.leaves(third)
+    if len(second_leaves) != len(ref_leaves) or len(third_leaves) != len(ref_leaves):
+        return None
+    out = []
+    for (path, r), a, b in zip(ref_leaves, second_leaves, third_leaves, strict=True):
+        name = jax.tree_util.keystr(path) or "<output>"
+        if all(isinstance(x, jax.Array) for x in (r, a, b)):
+            out.append((name, r, a, b))
+        elif not np.array_equal(np.asarray(r), np.asarray(b)):
+            bad.append(f"{name}: values differ")
+    return out
+
+
 def within_spread(reference: Any, again: Any, got: Any, factor: float = SPREAD_FACTOR,
                   limit: int = 5) -> tuple[bool, list[str], str]:
     """Judges ``got`` against an original that is not reproducible: ``reference`` and
@@ -233,19 +251,13 @@ def within_spread(reference: Any, again: Any, got: Any, factor: float = SPREAD_F
     absolute difference (with the same NaN/inf positions). Returns (ok, the leaves that fail,
     a sentence on the original's own spread).
     """
-    ref_leaves, ref_tree = jax.tree_util.tree_flatten_with_path(reference)
-    again_leaves = jax.tree.leaves(again)
-    got_leaves = jax.tree.leaves(got)
-    if ref_tree != jax.tree.structure(got) or len(got_leaves) != len(ref_leaves) or \
-            len(again_leaves) != len(ref_leaves):
-        return False, ["output structure differs"], ""
     bad, varied = [], 0
-    for (path, r), a, g in zip(ref_leaves, again_leaves, got_leaves, strict=True):
-        name = jax.tree_util.keystr(path) or "<output>"
-        if not all(isinstance(x, jax.Array) for x in (r, a, g)):
-            if not np.array_equal(np.asarray(r), np.asarray(g)):
-                bad.append(f"{name}: values differ")
-            continue
+    triples = _array_triples(reference, again, got, bad)
+    if triples is None or jax.tree.structure(reference) != jax.tree.structure(got):
+        return False, ["output structure differs"], ""
+    for name, r, a, g in triples:
+        if len(bad) >= limit:
+            break
         if (g.dtype, g.shape) != (r.dtype, r.shape):
             bad.append(f"{name}: {g.dtype}{g.shape} vs {r.dtype}{r.shape}")
             continue
@@ -270,8 +282,6 @@ def within_spread(reference: Any, again: Any, got: Any, factor: float = SPREAD_F
                 bad.append(f"{name}: max |diff| {dev:.3g}, above {factor:g}x the original's own "
                            f"{spread:.3g}")
                 break
-        if len(bad) >= limit:
-            break
     words = (f"the original itself differs between two runs on {varied} shard(s) (atomic "
              f"scatters): judged against that spread ({factor:g}x)")
     return not bad, bad, words
@@ -314,17 +324,11 @@ def less_accurate(reference: Any, got: Any, wider: Any, tolerance: float,
     must sit where the original's do; other leaves (integers, keys, bools) must equal the
     original's bit for bit. Compares this process's part of each leaf.
     """
-    ref_leaves, _ = jax.tree_util.tree_flatten_with_path(reference)
-    got_leaves, wide_leaves = jax.tree.leaves(got), jax.tree.leaves(wider)
-    if len(got_leaves) != len(ref_leaves) or len(wide_leaves) != len(ref_leaves):
-        return ["output structure differs"]
     bad, errors = [], []
-    for (path, r), g, w in zip(ref_leaves, got_leaves, wide_leaves, strict=True):
-        name = jax.tree_util.keystr(path) or "<output>"
-        if not all(isinstance(x, jax.Array) for x in (r, g, w)):
-            if not np.array_equal(np.asarray(r), np.asarray(g)):
-                bad.append(f"{name}: values differ")
-            continue
+    triples = _array_triples(reference, wider, got, bad)
+    if triples is None:
+        return ["output structure differs"]
+    for name, r, w, g in triples:
         rv, gv, wv = _distinct_values(r), _distinct_values(g), _distinct_values(w)
         if not _is_float(rv.dtype) or np.iscomplexobj(rv):
             if not np.array_equal(_bits(rv), _bits(gv)):
