@@ -197,7 +197,7 @@ SPREAD_FACTOR = 4.0
 original's where the original itself is not reproducible, in units of the original's own
 run-to-run difference on that leaf (``within_spread``)."""
 
-NONDETERMINISTIC_GPU_OPS = re.compile(r"= [^=]*\b(scatter|select-and-scatter)\(")
+NONDETERMINISTIC_GPU_OPS = re.compile(r"= [^=]*(?<![\w-])(scatter|select-and-scatter)\(")
 """HLO instructions XLA:GPU may run with atomics (a different summation order each run) unless
 ``--xla_gpu_exclude_nondeterministic_ops`` (or ``--xla_gpu_deterministic_ops``) is set."""
 

@@ -104,10 +104,14 @@ def test_within_spread_judges_against_the_originals_own_difference():
 def test_may_vary_between_runs_only_for_gpu_scatters_without_the_determinism_flags(monkeypatch):
     text = "ENTRY e {\n  %s = f32[8]{0} scatter(f32[8]{0} %a, s32[2,1]{1,0} %i, f32[2]{0} %u)\n}"
     plain = "ENTRY e {\n  %m = f32[8]{0} multiply(f32[8]{0} %a, f32[8]{0} %a)\n}"
+    collective = "ENTRY e {\n  %rs = f32[1]{0} reduce-scatter(f32[8]{0} %a), dimensions={0}\n}"
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     assert first_step.may_vary_between_runs(text, "gpu")
     assert not first_step.may_vary_between_runs(text, "cpu")
     assert not first_step.may_vary_between_runs(plain, "gpu")
+    assert not first_step.may_vary_between_runs(collective, "gpu")  # NCCL's: not an atomic scatter
+    sas = text.replace("scatter(", "select-and-scatter(")
+    assert first_step.may_vary_between_runs(sas, "gpu")
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_exclude_nondeterministic_ops=true")
     assert not first_step.may_vary_between_runs(text, "gpu")
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops")
