@@ -292,11 +292,14 @@ def built(tmp_path_factory):
     return autoccl.plugin.build(d), autoccl.plugin.build_harness(d), d
 
 
-def _query(built, table, *queries):
+def _query(built, table, *queries, trace=False):
     lib, harness, _ = built
-    env = {k: v for k, v in os.environ.items() if k != autoccl.plugin.TABLE_ENV}
+    env = {k: v for k, v in os.environ.items()
+           if k not in (autoccl.plugin.TABLE_ENV, autoccl.plugin.TRACE_ENV)}
     if table is not None:
         env[autoccl.plugin.TABLE_ENV] = str(table)
+    if trace:
+        env[autoccl.plugin.TRACE_ENV] = "1"
     proc = subprocess.run(
         [harness, lib, "v3", "8", *queries], capture_output=True, text=True, timeout=30, env=env
     )
@@ -328,6 +331,18 @@ def test_plugin_answers_per_table(built):
     assert out[2].endswith("algo=ring proto=ll channels=-1")
     assert out[3].endswith("algo=default proto=default channels=-1")
     assert "3 rule(s) loaded" in err
+    assert "getCollInfo" not in err  # the trace is off by default
+
+
+def test_plugin_trace_logs_what_nccl_asked_and_what_the_table_answered(built):
+    rows = [autoccl.plugin.TableRow("all-reduce", 0, 1 << 20, "Ring", "Simple", channels=3)]
+    table = autoccl.plugin.write_table(rows, built[2] / "trace.txt")
+    out, err = _query(built, table, "allreduce", "4096", "allgather", "4096", trace=True)
+    calls = [ln for ln in err.splitlines() if "getCollInfo" in ln]
+    assert len(calls) == 2, err
+    assert "getCollInfo allreduce nBytes=4096" in calls[0] and "rule 0, rule applied, nChannels=3" in calls[0]
+    assert "getCollInfo allgather nBytes=4096" in calls[1] and "rule -1, no rule matched" in calls[1]
+    assert out[0].endswith("algo=ring proto=simple channels=3")
     assert open(table).read().splitlines()[0] == "concerto-tuner-table 3"
     assert autoccl.plugin.plugin_env("a.so", "t.txt")["NCCL_TUNER_PLUGIN"].endswith("a.so")
 
