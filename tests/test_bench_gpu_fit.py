@@ -46,3 +46,46 @@ def test_measured_profiles_become_one_perfetto_trace(tmp_path):
     assert {"gpt_dp2_tp8_2hosts.stock", "gpt_dp2_tp8_2hosts.ours"} <= names
     kernels = [e for e in events if e["ph"] == "X"]
     assert min(e["ts"] for e in kernels) == 0 and all(e["dur"] >= 0 for e in kernels)
+
+
+def test_nccl_probe_tables_are_what_the_plugin_accepts_and_rejects(tmp_path):
+    """The probe's two tables through the real plugin (the dlopen harness): the valid one
+    answers, the one changed after its checksum is refused and NCCL's defaults stay."""
+    import os
+    import subprocess
+
+    from bench.gpu import nccl_tuner_probe as probe
+    from concerto_jax.autoccl import plugin
+
+    lib, harness = plugin.build(tmp_path), plugin.build_harness(tmp_path)
+    for corrupt, want in ((False, "algo=ring proto=simple channels=3"),
+                          (True, "algo=default proto=default channels=-1")):
+        table = tmp_path / f"t{int(corrupt)}.txt"
+        probe.write(str(table), probe.table_text(3, corrupt=corrupt))
+        env = dict(os.environ, **{plugin.TABLE_ENV: str(table)})
+        proc = subprocess.run([harness, lib, "v4", "1", "allreduce", "4096"], capture_output=True,
+                              text=True, timeout=30, env=env)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.splitlines()[-1].endswith(want), proc.stdout
+        assert ("checksum mismatch" in proc.stderr) == corrupt
+
+
+def test_nccl_probe_summary_of_the_h200_run():
+    """The summary of the NCCL log the H200 run brought back (bench/results/gpu/h200-2026-11-28)."""
+    import json
+    import os
+
+    from bench.gpu import nccl_tuner_probe as probe
+
+    run = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "gpu", "h200-2026-11-28", "nccl")
+    with open(os.path.join(run, "nccl.log")) as f:
+        log = f.read()
+    with open(os.path.join(run, "summary.json")) as f:
+        saved = json.load(f)
+    s = probe.summarize("", [{"event": "start", "nccl_version": 22809, "devices": 1}], log)
+    assert s["init_calls"] == saved["init_calls"] == 4
+    assert s["get_coll_info_calls"] == saved["get_coll_info_calls"] == 0
+    assert any("Using concerto_jax (v4)" in ln for ln in s["plugin_lines"])
+    assert len(s["warnings"]) == 2 and "checksum mismatch" in s["warnings"][0]
+    s["child_rc"], s["collectives_run"] = 0, 36
+    assert "one-rank path" in probe.markdown(s)
