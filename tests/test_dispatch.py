@@ -122,3 +122,34 @@ def test_the_scatter_pattern_matches_what_jax_lowers():
     f = jax.jit(lambda x, i, u: x.at[i].add(u))
     text = f.lower(jnp.zeros(8), jnp.array([1, 2]), jnp.ones(2)).compile().as_text()
     assert first_step.NONDETERMINISTIC_GPU_OPS.search(text), text[:2000]
+
+
+def test_the_spread_judge_runs_the_original_again_and_decides_by_its_own_difference(monkeypatch):
+    """``_second_reference_inputs`` and ``_judged_by_spread`` on a real step: where the original's
+    second run equals the first, the bitwise verdict stands; where it differs (a first run
+    perturbed by one ulp here, as an atomic scatter would), ours is judged by that spread."""
+    from concerto_jax.first_step_policy import StepEntry
+
+    f = jax.jit(lambda x: (x * 3.0, x + 1))
+    o = _optimized(f)
+    x = jnp.linspace(1.0, 2.0, 8)
+    entry = StepEntry(runner=None, report=None, captured="%s = f32[8]{0} scatter(...)", tolerance=0.0)
+    assert o._second_reference_inputs(entry, (x,), {}) is None  # CPU: no atomic scatters
+    monkeypatch.setattr(first_step, "may_vary_between_runs", lambda text, platform: True)
+    again = o._second_reference_inputs(entry, (x,), {})
+    assert again is not None
+
+    exact = f(x)
+    ulp = jnp.nextafter(exact[0], jnp.inf)
+    bad, words = o._judged_by_spread(exact, again, (ulp, exact[1]), ["first run differs"])
+    assert bad == ["first run differs"] and words == ""  # the original reproduced itself
+
+    first = (ulp, exact[1])  # a first run one ulp off, as an atomic scatter's would be
+    bad, words = o._judged_by_spread(first, o._second_reference_inputs(entry, (x,), {}), exact, ["x"])
+    assert bad == [] and "differs between two runs" in words
+    far = (exact[0] + 1.0, exact[1])
+    bad, _ = o._judged_by_spread(first, o._second_reference_inputs(entry, (x,), {}), far, ["x"])
+    assert bad and "above 4x" in bad[0]
+    other = (exact[0], exact[1] + 1)  # a leaf both runs agree on
+    bad, _ = o._judged_by_spread(first, o._second_reference_inputs(entry, (x,), {}), other, ["x"])
+    assert bad and "agree bitwise" in bad[0]
