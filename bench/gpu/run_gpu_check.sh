@@ -58,30 +58,28 @@ install() {  # the carried wheels, once per machine
     fi
 }
 
-probe() {  # where optimize's step time goes (bench/gpu/dispatch_probe.py): about a minute
-    local out="${OUT:-/tmp/out}/probe"
+script() {  # script NAME TIMEOUT_S FILE SHOW...: bench/gpu/FILE --out $OUT/NAME, its log in $OUT/NAME/log,
+    # the lines SHOW (a command reading the log on stdin) printed; exits with the script's status
+    local name=$1 limit=$2 file=$3
+    shift 3
+    local out="${OUT:-/tmp/out}/$name"
     mkdir -p "$out"
     install
     set +e
-    PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 timeout "${PROBE_TIMEOUT_S:-150}" \
-        python3 bench/gpu/dispatch_probe.py --out "$out" > "$out/log" 2>&1
+    PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 timeout "$limit" \
+        python3 "bench/gpu/$file" --out "$out" > "$out/log" 2>&1
     local rc=$?
-    grep "dispatch_probe" "$out/log" | tail -14
+    "$@" < "$out/log"
     set -e
     return "$rc"
 }
 
+probe() {  # where optimize's step time goes (bench/gpu/dispatch_probe.py): about a minute
+    script probe "${PROBE_TIMEOUT_S:-150}" dispatch_probe.py sh -c 'grep dispatch_probe | tail -14'
+}
+
 nccl() {  # the NCCL tuner plugin in the machine's own NCCL: about 30 s
-    local out="${OUT:-/tmp/out}/nccl"
-    mkdir -p "$out"
-    install
-    set +e
-    PYTHONPATH="$PWD:/tmp/site" PYTHONUNBUFFERED=1 timeout "${NCCL_TIMEOUT_S:-150}" \
-        python3 bench/gpu/nccl_tuner_probe.py --out "$out" > "$out/log" 2>&1
-    local rc=$?
-    tail -5 "$out/log"
-    set -e
-    return "$rc"
+    script nccl "${NCCL_TIMEOUT_S:-150}" nccl_tuner_probe.py tail -5
 }
 
 device() {
