@@ -155,14 +155,7 @@ class OptimizedStep(FirstStepPolicy):
             self._warn(f"its arguments could not be keyed ({type(e).__name__}: {e})",
                        getattr(self._fn, "__name__", "step"))
             return self._fn(*args, **kwargs)
-        entry = self._cache.get(key)
-        if entry is None:
-            with self._lock:
-                entry = self._cache.get(key)
-                if entry is None:
-                    entry = self._build(args, kwargs)
-                    self._cache[key] = entry
-        self._last_key = key
+        entry = self._entry(key, args, kwargs)
         if entry.rebuild is not None:  # the first step differed: rebuild without the passes
             with self._lock:
                 entry = self._cache[key]
@@ -222,10 +215,18 @@ class OptimizedStep(FirstStepPolicy):
             key = self._key(args, kwargs)
         except Exception:  # noqa: BLE001 - keyed at the next call instead
             return
-        with self._lock:
-            if key not in self._cache:
-                self._cache[key] = self._build(args, kwargs)
+        self._entry(key, args, kwargs)
+
+    def _entry(self, key: tuple, args: tuple, kwargs: dict) -> StepEntry:
+        """The signature's entry, built on its first call; it becomes the latest signature."""
+        entry = self._cache.get(key)
+        if entry is None:
+            with self._lock:
+                entry = self._cache.get(key)
+                if entry is None:
+                    entry = self._cache[key] = self._build(args, kwargs)
         self._last_key = key
+        return entry
 
     def _settled(self, entry: StepEntry, key: tuple) -> tuple | None:
         """``(entry, static values, C++ call)`` for the fast path of ``__call__``, or None.
@@ -334,7 +335,7 @@ class OptimizedStep(FirstStepPolicy):
         first-step check."""
         name = getattr(self._fn, "__name__", "step")
         if self._platform_default:
-            self.options = defaults_for_platform(_platform_of(args, kwargs))
+            self.options = defaults_for_platform(first_step.platform_of((args, kwargs)))
             self._platform_default = False
         if options is None:  # passes that failed their first-step check elsewhere stay out
             options = dataclasses.replace(self.options, passes=tuple(
@@ -349,7 +350,7 @@ class OptimizedStep(FirstStepPolicy):
             if not self.options.fallback:
                 raise
             return self._fallback(str(e), name, len(jax.devices()), "")
-        backend = route.backend_for(_platform_of(args, kwargs))
+        backend = route.backend_for(first_step.platform_of((args, kwargs)))
         if backend is not None:  # GPUs: our order compiled by XLA's backend only, loaded into JAX
             return route.build_entry(self, args, kwargs, options, note, backend)
         cache = plan_cache.open_step(self._fn, args, kwargs, options)
@@ -415,10 +416,6 @@ class OptimizedStep(FirstStepPolicy):
         log.info("%s", report)
         return StepEntry(compiled, report, text, result.text, tolerance=tolerance,
                       check_pending=check, built_with=options, note=note, wider=wider)
-
-
-def _platform_of(args: tuple, kwargs: dict) -> str:
-    return first_step.platform_of((args, kwargs))
 
 
 def _dump(directory: str, name: str, captured: str, emitted: str) -> None:

@@ -191,12 +191,12 @@ def test_default_options_follow_the_backend_of_the_arguments():
     """No Options given: the arguments' platform picks the defaults (identity on CPU)."""
     import jax.numpy as jnp
 
-    from concerto_jax.api import _platform_of
+    from concerto_jax.first_step import platform_of
     from concerto_jax.options import GPU_PLAN_PASSES, defaults_for_platform
 
     x = jnp.ones((4,))
-    assert _platform_of((x,), {}) == "cpu"
-    assert _platform_of((1.0,), {"y": x}) == "cpu"
+    assert platform_of(((x,), {})) == "cpu"
+    assert platform_of(((1.0,), {"y": x})) == "cpu"
     assert defaults_for_platform("cpu").passes == ()
     assert GPU_PLAN_PASSES == ("schedule", "pin")
     step = concerto_jax.optimize(jax.jit(lambda a: a * 2))
