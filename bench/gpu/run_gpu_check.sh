@@ -12,22 +12,21 @@
 #   which the GPU compiles with its autotuning; and XLA's deviceless scheduled modules), made
 #   with jax 0.11.2, the GPU machine's version
 #   ($PREPARE_PYTHON, default /work/venv0112/bin/python); (3) the CPU half of gpu_check.
-#   Both folders are ignored by git (.gitignore) and travel as `carry`.
+#   Both folders are ignored by git (.gitignore); copy them to the GPU machine with the repository.
 # device [ARGS]: installs the wheels into /tmp/site, runs gpu_check with that machine's own JAX
 #   within 8 minutes ($GC_BUDGET_S, default 420 s, inside $GC_TIMEOUT_S, default 480 s; ARGS go to
-#   gpu_check, e.g. `--items c --cases NAMES` for a second call on a warm machine), and leaves at
+#   gpu_check, e.g. `--items c --cases NAMES` for a second run on the same machine), and leaves at
 #   most 8 files in $OUT/gc (checks, calibration tables, the log, the raw profiles as one tar.gz).
 #
 # probe: bench/gpu/dispatch_probe.py into $OUT/probe (plain jit vs the route vs optimize).
 # nccl: bench/gpu/nccl_tuner_probe.py into $OUT/nccl (our NCCL tuner plugin in the machine's NCCL;
 #   built there, or the copy prepare built into .gpu_prepared/nccl_tuner/).
 #
-# The device tool's call (device time: about 10 minutes of a 15-minute lease):
-#   run(command="bash bench/gpu/run_gpu_check.sh device", carry=[".whl", ".gpu_prepared"],
-#       timeout_s=560)
-# A re-check of the route's speed (about 3 minutes): item a and b, then the probe:
-#   run(command="GC_BUDGET_S=120 GC_TIMEOUT_S=170 bash bench/gpu/run_gpu_check.sh device --items a,b;
-#       bash bench/gpu/run_gpu_check.sh probe", carry=[".whl", ".gpu_prepared"], timeout_s=360)
+# On the GPU machine, from the repository root (about 10 minutes; a limit of 560 s):
+#   bash bench/gpu/run_gpu_check.sh device
+# A re-check of the route's speed (about 3 minutes; a limit of 360 s): item a and b, then the probe:
+#   GC_BUDGET_S=120 GC_TIMEOUT_S=170 bash bench/gpu/run_gpu_check.sh device --items a,b;
+#   bash bench/gpu/run_gpu_check.sh probe
 set -euo pipefail
 
 ORTOOLS=9.15.6755
