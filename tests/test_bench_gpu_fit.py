@@ -1,6 +1,6 @@
 """The GPU results' tools: ``python -m bench.gpu.fit_calibration`` (the per-class fit recovers
-known rates; matrix work groups first) and ``python -m bench.gpu.trace`` (the measured profiles
-as one Perfetto trace)."""
+known rates; matrix work groups first; the classes in tests/test_calibration.py) and
+``python -m bench.gpu.trace`` (the measured profiles as one Perfetto trace)."""
 
 import pytest
 
@@ -9,7 +9,7 @@ from bench.gpu import fit_calibration as fit
 
 def _row(group, mm, mem, measured, case="a"):
     return {"case": case, "group": group, "mm_peak_us": mm, "vector_us": 0.0, "mem_peak_us": mem,
-            "measured_us": measured, "launches": 1, "predicted_us": measured}
+            "measured_us": measured, "launches": 1, "executions": 1, "model_kernels": 1, "predicted_us": measured}
 
 
 @pytest.mark.parametrize("group, eff, fixed", [("loop_fusion", 0.6, 1.5), ("matmul", 0.8, 0.5)])
@@ -26,9 +26,8 @@ def test_fit_recovers_the_rates_that_made_the_times(group, eff, fixed):
 
 
 def test_kernels_with_matrix_work_are_matmuls_whatever_their_class():
-    assert fit.kernel_group({"mm_peak_us": "0.6", "class": "custom_fusion"}) == "matmul"
-    assert fit.kernel_group({"mm_peak_us": "0", "class": "reduction_fusion"}) == "reduction_fusion"
-    assert fit.kernel_group({"mm_peak_us": "", "class": "copy"}) == "other"
+    assert fit.kernel_group({"mm_peak_us": "0.6", "class": "custom_fusion", "instruction": "f"}) == "matmul"
+    assert fit.kernel_group({"mm_peak_us": "", "class": "copy", "instruction": "copy.1"}) == "other"
 
 
 def test_measured_profiles_become_one_perfetto_trace(tmp_path):

@@ -76,12 +76,17 @@ def test_dummy_step_has_the_layout_it_stands_for():
 def test_class_errors_sum_per_program_and_class():
     rows = [{"program": "stock", "class": "gemm", "predicted_us": 10.0, "measured_us": 8.0, "launches": 1},
             {"program": "stock", "class": "gemm", "predicted_us": 5.0, "measured_us": 12.0, "launches": 1},
-            {"program": "ours", "class": "loop_fusion", "predicted_us": 2.0, "measured_us": 2.0, "launches": 2},
+            {"program": "ours", "class": "loop_fusion", "predicted_us": 2.0, "measured_us": 2.0, "launches": 2,
+             "executions": 2},
+            # a GEMM and the memset cuBLAS launches beside it: one execution, priced once
+            {"program": "ours", "class": "gemm", "predicted_us": 7.0, "measured_us": 6.0, "launches": 2,
+             "executions": 1},
             {"program": "ours", "class": "unmapped", "predicted_us": float("nan"), "measured_us": 3.0, "launches": 1}]
     got = {(r["program"], r["class"]): r for r in gpu_check.class_errors(rows)}
-    assert set(got) == {("stock", "gemm"), ("ours", "loop_fusion")}
+    assert set(got) == {("stock", "gemm"), ("ours", "loop_fusion"), ("ours", "gemm")}
     assert got[("stock", "gemm")]["error"] == round((15 - 20) / 20, 3)
     assert got[("ours", "loop_fusion")]["predicted_us"] == 4.0
+    assert got[("ours", "gemm")]["predicted_us"] == 7.0
 
 
 @pytest.mark.slow

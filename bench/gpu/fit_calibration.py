@@ -1,12 +1,18 @@
 """Fit the cost model's kernel rates to the kernels a GPU check measured.
 
-    python -m bench.gpu.fit_calibration bench/results/gpu/h200-2026-11-27-run2
+    python -m bench.gpu.fit_calibration RUN_DIR [RUN_DIR ...] [--out DIR]
 
-Reads ``kernels.csv`` and ``calibration.csv`` of a ``python -m concerto_jax.gpu_check`` run (its
-tuned modules: XLA's autotuned kernels, collectives stood in) and fits, per kernel class, the
-two numbers of the roofline the model uses (``costmodel.compute.work_time_us``): an achieved
-fraction of the peak rate (tensor-core peak for kernels with matrix work, HBM bandwidth for the
-rest) and a fixed time per kernel. Half of the suite cases fit, the other half is held back.
+Reads ``kernels.csv`` and ``calibration.csv`` of one or more ``python -m concerto_jax.gpu_check``
+runs on one GPU type (their tuned modules: XLA's autotuned kernels, collectives stood in) and
+fits, per kernel class, the two numbers of the roofline the model uses
+(``costmodel.compute.work_time_us``): an achieved fraction of the peak rate (tensor-core peak
+for kernels with matrix work, HBM bandwidth for the rest) and a fixed time per kernel. Half of
+the suite cases fit (alternate cases by name), the other half is held back.
+
+The unit is one execution of an HLO instruction, as the model prices it: its measured time is
+the sum of every kernel it launched (a cuBLAS GEMM launches a memset beside it), divided by its
+executions per run (``executions``: 1 outside loops; runs from before that column have no
+loops in their modules and count 1).
 Per class it reports the error before (the shipped defaults) and after, on both halves: the
 error of the class's summed time and the median per-kernel relative error. Per case it reports
 the step's time outside its kernels (gaps: launches, synchronisation), per kernel launched.
@@ -28,38 +34,53 @@ import numpy as np
 
 log = logging.getLogger("concerto_jax.fit_calibration")
 
-CLASSES = ("matmul", "reduction_fusion", "loop_fusion", "other")
+CLASSES = ("matmul", "convolution", "reduction", "transpose", "loop_fusion", "other")
+MATRIX_CLASSES = ("matmul", "convolution")
 
 
 def kernel_group(row: dict) -> str:
-    """The fit's class of a kernel row: matrix work first, else the row's own class."""
+    """The fit's class of a kernel row: matrix work first (a convolution where the kernel is a
+    cuDNN call or a convolution); an input fusion (``reduction_fusion`` in the run's classes,
+    XLA's ``kInput``) by the hero its name carries (XLA names a fusion after its ops:
+    ``input_reduce_fusion``, ``input_transpose_fusion``, ``input_scatter_fusion``): reduction,
+    transpose, or other; loop fusions; other."""
     if float(row["mm_peak_us"] or 0) > 0:
-        return "matmul"
-    return row["class"] if row["class"] in ("reduction_fusion", "loop_fusion") else "other"
+        return "convolution" if row["class"] in ("custom_call", "conv") else "matmul"
+    if row["class"] in ("reduction_fusion", "transpose_fusion"):
+        name = row["instruction"]
+        if "reduce" in name:
+            return "reduction"
+        return "transpose" if "transpose" in name else "other"
+    return "loop_fusion" if row["class"] == "loop_fusion" else "other"
 
 
-def load(run_dir: str) -> tuple[list[dict], list[dict]]:
-    with open(os.path.join(run_dir, "kernels.csv")) as f:
-        kernels = [r for r in csv.DictReader(f) if r.get("modules", "tuned") == "tuned"
-                   and r.get("mm_peak_us") not in (None, "") and r["predicted_us"] not in ("", "nan")]
-    with open(os.path.join(run_dir, "calibration.csv")) as f:
-        steps = [r for r in csv.DictReader(f) if r.get("modules", "tuned") == "tuned"]
+def load(run_dirs) -> tuple[list[dict], list[dict]]:
+    """Kernel and step rows of every run in ``run_dirs`` (a path or several)."""
+    kernels, steps = [], []
+    for run_dir in [run_dirs] if isinstance(run_dirs, str) else run_dirs:
+        with open(os.path.join(run_dir, "kernels.csv")) as f:
+            kernels += [r for r in csv.DictReader(f) if r.get("modules", "tuned") == "tuned"
+                        and r.get("mm_peak_us") not in (None, "") and r["predicted_us"] not in ("", "nan")]
+        with open(os.path.join(run_dir, "calibration.csv")) as f:
+            steps += [r for r in csv.DictReader(f) if r.get("modules", "tuned") == "tuned"]
     for r in kernels:
         for k in ("predicted_us", "measured_us", "mm_peak_us", "vector_us", "mem_peak_us"):
             r[k] = float(r[k])
         r["launches"] = max(int(r["launches"]), 1)
+        r["executions"] = max(int(r.get("executions") or 1), 1)
         r["model_kernels"] = int(r["model_kernels"])
         r["group"] = kernel_group(r)
     return kernels, steps
 
 
 def model_us(r: dict, efficiency: float, fixed_us: float) -> float:
-    """One launch of the kernel of row ``r`` under ``(efficiency, fixed_us)``."""
-    if r["group"] == "matmul":
+    """One execution of the instruction of row ``r`` under ``(efficiency, fixed_us)``: the
+    roofline's busy time plus ``fixed_us`` per kernel the model counts."""
+    if r["group"] in MATRIX_CLASSES:
         busy = max(r["mm_peak_us"] / efficiency + r["vector_us"], r["mem_peak_us"] / 0.8)
     else:
         busy = max(r["vector_us"], r["mem_peak_us"] / efficiency)
-    return busy + fixed_us
+    return busy + fixed_us * max(r["model_kernels"], 1)
 
 
 def fit_group(rows: list[dict]) -> tuple[float, float]:
@@ -68,7 +89,7 @@ def fit_group(rows: list[dict]) -> tuple[float, float]:
     ones still count."""
     if not rows:
         return math.nan, math.nan
-    measured = np.array([r["measured_us"] / r["launches"] for r in rows])
+    measured = np.array([r["measured_us"] / r["executions"] for r in rows])
     keep = measured > 0
     best, arg = math.inf, (math.nan, math.nan)
     for eff in np.linspace(0.05, 1.5, 146):
@@ -84,7 +105,7 @@ def errors(rows: list[dict], predict) -> tuple[float, float]:
     """(summed-time relative error, median per-kernel relative error) of ``predict(row)``."""
     if not rows:
         return math.nan, math.nan
-    pred = [predict(r) * r["launches"] for r in rows]
+    pred = [predict(r) * r["executions"] for r in rows]
     meas = [r["measured_us"] for r in rows]
     total = (sum(pred) - sum(meas)) / sum(meas)
     return total, statistics.median(abs(p - m) / m for p, m in zip(pred, meas, strict=True) if m > 0)
@@ -92,10 +113,11 @@ def errors(rows: list[dict], predict) -> tuple[float, float]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("run_dir", help="a gpu_check output directory (kernels.csv, calibration.csv)")
+    ap.add_argument("run_dirs", nargs="+", help="gpu_check output directories (kernels.csv, calibration.csv)")
+    ap.add_argument("--out", help="where fit.csv, fit_steps.csv and fit.md go (default: the first run)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    kernels, steps = load(args.run_dir)
+    kernels, steps = load(args.run_dirs)
     cases = sorted({r["case"] for r in kernels})
     fit_cases, held_cases = set(cases[0::2]), set(cases[1::2])
     out_rows = []
@@ -105,7 +127,7 @@ def main(argv=None) -> int:
         held_rows = [r for r in rows if r["case"] in held_cases]
         eff, fixed = fit_group(fit_rows)
         for half, subset in (("fit", fit_rows), ("held_out", held_rows)):
-            before = errors(subset, lambda r: r["predicted_us"] / r["launches"])
+            before = errors(subset, lambda r: r["predicted_us"])
             after = errors(subset, lambda r, e=eff, c=fixed: model_us(r, e, c))
             out_rows.append({"class": group, "half": half, "kernels": len(subset),
                              "fitted_efficiency": round(eff, 3), "fitted_fixed_us": round(fixed, 2),
@@ -130,7 +152,8 @@ def main(argv=None) -> int:
                           "measured_step_cmdbuf_us": cmdbuf if cmdbuf is not None else "",
                           "outside_per_kernel_cmdbuf_us": (round((cmdbuf - busy) / launched, 2)
                                                            if cmdbuf is not None and launched else "")})
-    d = args.run_dir
+    d = args.out or args.run_dirs[0]
+    os.makedirs(d, exist_ok=True)
     cols = list(out_rows[0])
     with open(os.path.join(d, "fit.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols)
@@ -144,7 +167,8 @@ def main(argv=None) -> int:
     with open(os.path.join(d, "fit.md"), "w") as f:
         f.write("# Kernel-rate fit (measured kernels; fit on " + ", ".join(sorted(fit_cases))
                 + "; held out " + ", ".join(sorted(held_cases)) + ")\n\n")
-        f.write("`python -m bench.gpu.fit_calibration " + d + "`\n\n")
+        f.write("`python -m bench.gpu.fit_calibration " + " ".join(args.run_dirs)
+                + (f" --out {args.out}" if args.out else "") + "`\n\n")
         f.write("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n")
         for r in out_rows:
             f.write("| " + " | ".join(str(r[c]) for c in cols) + " |\n")

@@ -891,6 +891,7 @@ def validate_prepared(prepared_dir: str, run: Run, kind: str = "NVIDIA H100 80GB
 
 
 _KERNEL_COLUMNS = ("case", "program", "modules", "instruction", "class", "predicted_us", "measured_us", "launches",
+                   "executions",
                    "mm_peak_us", "vector_us", "mem_peak_us", "model_kernels")
 _CALIBRATION_COLUMNS = ("case", "program", "modules", "predicted_step_us", "measured_step_us", "error",
                         "measured_step_cmdbuf_us", "kernels_mapped", "kernels_unmapped", "standins")
@@ -1067,13 +1068,14 @@ def calibrate_case(prepared_dir: str, case_name: str, out_dir: str, iters: int =
         work: dict = {}
         pred, cls, pred_step = _predictions(payload.final_text, cost_model, work)
         mapped = 0
-        for kernel, (us, launches) in sorted(measured.items()):
+        for kernel, (us, launches, executions) in sorted(measured.items()):
             name = instruction_of(kernel, pred)
             if name in pred:
                 mapped += 1
             kernels.append({"case": case_name, "program": program, "modules": modules, "instruction": name,
                             "class": cls.get(name, "unmapped"), "predicted_us": round(pred.get(name, float("nan")), 2),
-                            "measured_us": round(us, 2), "launches": launches, **work.get(name, {})})
+                            "measured_us": round(us, 2), "launches": launches, "executions": executions,
+                            **work.get(name, {})})
         cmdbuf_us = _step_us_with_xla_defaults(text, target, dummy, make_inputs, iters) if env else None
         steps.append({"case": case_name, "program": program, "modules": modules,
                       "predicted_step_us": round(pred_step, 1),
@@ -1121,14 +1123,19 @@ def instruction_of(kernel: str, instructions) -> str:
     return norm.get(kernel.replace(".", "_").replace("-", "_"), kernel)
 
 
-def kernel_times(profile_dir: str, runs: int) -> dict[str, tuple[float, int]]:
-    """``{HLO instruction: (device microseconds per run, launches per run)}`` of the GPU kernels
-    in a profile (the kernel's ``hlo_op`` stat, else its name)."""
+def kernel_times(profile_dir: str, runs: int) -> dict[str, tuple[float, int, int]]:
+    """``{HLO instruction: (device microseconds per run, kernels launched per run, executions per
+    run)}`` of the GPU kernels in a profile (the kernel's ``hlo_op`` stat, else its name).
+
+    One execution of an instruction may launch several kernels (cuBLAS: a memset and the GEMM;
+    a split-K GEMM and its reduction): executions per run count the launches of the
+    instruction's longest kernel (one per execution outside a loop, the trip count inside one),
+    the unit the model prices (``predicted_us`` is per execution)."""
     paths = glob.glob(os.path.join(profile_dir, "**", "*.xplane.pb"), recursive=True)
     if not paths:
         raise RuntimeError(f"no .xplane.pb under {profile_dir}")
     data = jax_compat.profile_data_from_file(sorted(paths)[-1])
-    out: dict[str, list] = {}
+    out: dict[str, dict[str, list]] = {}
     for plane in data.planes:
         if not plane.name.startswith("/device:GPU"):
             continue
@@ -1138,10 +1145,16 @@ def kernel_times(profile_dir: str, runs: int) -> dict[str, tuple[float, int]]:
             for ev in line.events:
                 stats = dict(ev.stats)
                 op = stats.get("hlo_op") or ev.name
-                t = out.setdefault(str(op), [0.0, 0])
+                t = out.setdefault(str(op), {}).setdefault(ev.name, [0.0, 0])
                 t[0] += ev.duration_ns / 1e3
                 t[1] += 1
-    return {k: (v[0] / runs, v[1] // max(runs, 1)) for k, v in out.items()}
+    runs = max(runs, 1)
+    result = {}
+    for op, by_kernel in out.items():
+        main = max(by_kernel.values(), key=lambda v: v[0])
+        result[op] = (sum(v[0] for v in by_kernel.values()) / runs,
+                      sum(v[1] for v in by_kernel.values()) // runs, max(main[1] // runs, 1))
+    return result
 
 
 def class_errors(kernels: Sequence[dict]) -> list[dict]:
@@ -1152,7 +1165,7 @@ def class_errors(kernels: Sequence[dict]) -> list[dict]:
             continue
         a = agg.setdefault((k["program"], k["class"]), [0, 0.0, 0.0])
         a[0] += 1
-        a[1] += k["predicted_us"] * max(k["launches"], 1)
+        a[1] += k["predicted_us"] * max(int(k.get("executions") or 1), 1)  # per execution, not per kernel
         a[2] += k["measured_us"]
     return [{"program": p, "class": c, "kernels": n, "predicted_us": round(pu, 1), "measured_us": round(mu, 1),
              "error": round((pu - mu) / mu, 3) if mu else ""} for (p, c), (n, pu, mu) in sorted(agg.items())]
