@@ -45,7 +45,7 @@ COLUMNS = ("case", "cluster",
            "rewrite_xla_us", "rewrite_xla_gain", "rewrite_xla_worst_gain", "rewrite_xla_split",
            # S+AD against stock over the plausible cost models, and the kernels and bytes S+AD
            # adds (bench.robust_columns; nominal_gain = sad_gain)
-           "worst_gain", "worst_variant", "adverse_gain", "stock_kernels", "ours_kernels", "added_kernels",
+           "worst_gain", "worst_variant", "adverse_gain", "calibrated_gain", "stock_kernels", "ours_kernels", "added_kernels",
            "added_mb",
            # XLA's combine thresholds compile_for_target chose for S+AD
            # (Options.deviceless.combine_thresholds;

@@ -41,6 +41,9 @@ LAYOUTS: dict[str, tuple[str, tuple[int, int], int, bool]] = {
     "tp_pcie": ("h100_pcie_8", (1, 8), 8, False),
     # MaxText-style fsdp x tensor: weights sharded over both axes, data 8 across 2 hosts
     "fsdp_tp": ("h100_sxm_2x8", (8, 2), 16, False),
+    # on 8 H200s: planned and judged with the kernel rates measured there (costmodel.calibration)
+    "tp_h200": ("h200_sxm_8", (1, 8), 8, False),
+    "fsdp_h200": ("h200_sxm_8", (8, 1), 16, False),
 }
 
 COLUMNS = ("layout", "cluster", "mesh", "scanned", "status", "stock_us", "ours_us", "gain",
@@ -48,7 +51,7 @@ COLUMNS = ("layout", "cluster", "mesh", "scanned", "status", "stock_us", "ours_u
            "rewrite_xla_us", "rewrite_xla_gain", "rewrite_xla_worst_gain", "rewrite_xla_split",
            # bench.robust_columns: the gain's worst case over the plausible cost models, and the
            # kernels and bytes our program adds
-           "worst_gain", "worst_variant", "adverse_gain", "stock_kernels", "ours_kernels", "added_kernels",
+           "worst_gain", "worst_variant", "adverse_gain", "calibrated_gain", "stock_kernels", "ours_kernels", "added_kernels",
            "added_mb",
            # decisions the worst-case rule took otherwise than the nominal model (Options.deviceless.robust),
            # and the seconds its judgement took in the compile

@@ -34,10 +34,10 @@ DEFAULT_LAYOUTS = ("tp", "dp_tp", "fsdp", "tp_pcie")
 
 def variants() -> dict:
     """Name -> ``costmodel.envelope.Variant`` of each judge (``nominal`` first: the one every
-    bench uses): the plausible set and its adverse corner."""
-    from concerto_jax.costmodel.envelope import ADVERSE, ENVELOPE
+    bench uses): the plausible set, its adverse corner, and the kernel rates measured on an H200."""
+    from concerto_jax.costmodel.envelope import ADVERSE, CALIBRATED_H200, ENVELOPE
 
-    return {v.name: v for v in (*ENVELOPE, ADVERSE)}
+    return {v.name: v for v in (*ENVELOPE, ADVERSE, CALIBRATED_H200)}
 
 
 def judge_both(stock_text: str, ours_text: str, cluster: str) -> dict[str, float]:

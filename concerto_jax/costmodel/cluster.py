@@ -96,6 +96,9 @@ CLUSTERS: dict[str, Cluster] = {
                 specs.network(400.0, _NDR_400), "h100_sxm.txtpb", "h100x8_2hosts",
                 "2 hosts x 4 H100 SXM (HGX 4-GPU boards), NVLink in a host, 400 Gb/s NDR IB per GPU "
                 "between hosts (8 devices: the size of the CPU-emulated test meshes)"),
+        Cluster("h200_sxm_8", specs.H200_SXM, 1, 8, specs.nvlink(450e9, _H100_NVL, _H100_NVLS), None,
+                "h200.txtpb", "h200x8", "8x H200 SXM, NVLink 4, one host (kernel rates measured: "
+                "costmodel.calibration)"),
         Cluster("h100_pcie_8", specs.H100_PCIE, 1, 8, specs.pcie(64e9, _PCIE5), None,
                 "h100_pcie.txtpb", "h100pcie_x8", "8x H100 PCIe, no NVLink (PCIe Gen5)"),
         Cluster("a100_80_8", specs.A100_SXM_80, 1, 8, specs.nvlink(300e9, _A100_NVL), None,

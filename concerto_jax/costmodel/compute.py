@@ -110,12 +110,21 @@ class ComputeOptions:
       memory_efficiency: achieved fraction of HBM bandwidth (configured; ~0.8-0.9 for streaming kernels).
       launch_overhead_us: fixed cost per kernel (launch + tail; configured).
       highest_precision_f32_dots: run f32 dots on CUDA cores instead of TF32 tensor cores.
+      reduction_efficiency: achieved fraction of HBM bandwidth of a reduction (an instruction
+        or fusion with a ``reduce``: XLA's reduction emitter); None: ``memory_efficiency``.
+      convolution_efficiency: achieved fraction of tensor-core peak of a convolution (cuDNN);
+        None: ``matmul_efficiency``.
+
+    The defaults are configured figures; ``costmodel.calibration`` holds figures fitted to
+    kernels measured on a GPU type, the defaults there.
     """
 
     matmul_efficiency: float = 0.7
     memory_efficiency: float = 0.8
     launch_overhead_us: float = 2.0
     highest_precision_f32_dots: bool = False
+    reduction_efficiency: float | None = None
+    convolution_efficiency: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,9 +292,39 @@ def work_time_us(work: Work, kernels: int, gpu: GpuSpec, options: ComputeOptions
     return 1e6 * max(compute_s, memory_s) + kernels * options.launch_overhead_us
 
 
+def kernel_kind(op: OpInfo) -> str:
+    """``"convolution"``, ``"reduction"`` or ``"other"``: the kernel classes with efficiencies of
+    their own in ``ComputeOptions`` (a convolution: the opcode, a cuDNN call, a fusion with one;
+    a reduction: a ``reduce``, or a fusion with one)."""
+    if op.opcode == "convolution" or (op.opcode == "custom-call" and "conv" in op.attrs.get("custom_call_target", "")):
+        return "convolution"
+    if op.opcode == "reduce":
+        return "reduction"
+    if op.opcode == "fusion":
+        body = {i.opcode for i in op.called.get("calls", ())}
+        if "convolution" in body:
+            return "convolution"
+        if "reduce" in body:
+            return "reduction"
+    return "other"
+
+
+def class_options(op: OpInfo, options: ComputeOptions) -> ComputeOptions:
+    """``options`` as they apply to ``op``: a reduction's or a convolution's own efficiency in
+    place of the general one, where ``options`` set them."""
+    if options.reduction_efficiency is None and options.convolution_efficiency is None:
+        return options
+    kind = kernel_kind(op)
+    if kind == "reduction" and options.reduction_efficiency is not None:
+        return dataclasses.replace(options, memory_efficiency=options.reduction_efficiency)
+    if kind == "convolution" and options.convolution_efficiency is not None:
+        return dataclasses.replace(options, matmul_efficiency=options.convolution_efficiency)
+    return options
+
+
 def compute_time_us(op: OpInfo, gpu: GpuSpec, options: ComputeOptions = ComputeOptions()) -> float:
     """Modelled time of compute instruction ``op`` on ``gpu`` in microseconds."""
     n = kernel_count(op)
     if n == 0:
         return 0.0
-    return work_time_us(work_of(op), n, gpu, options)
+    return work_time_us(work_of(op), n, gpu, class_options(op, options))

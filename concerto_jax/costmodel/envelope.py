@@ -82,6 +82,7 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 
+from concerto_jax.costmodel import calibration
 from concerto_jax.costmodel.collectives import CollectiveOptions
 from concerto_jax.costmodel.compute import ComputeOptions, OpInfo, compute_time_us, work_of
 from concerto_jax.costmodel.model import CostModel, CostOptions
@@ -173,6 +174,12 @@ ADVERSE = Variant("adverse", _opts(compute={"launch_overhead_us": 6.0, "memory_e
                   gemm_by_shape=GemmByShape())
 """Every figure at the end of its range hostile to trading kernels for hidden communication at
 once: a stress point the benches report, not a member of ``ENVELOPE`` (module docstring)."""
+
+
+CALIBRATED_H200 = Variant("calibrated_h200", CostOptions(compute=calibration.H200.compute))
+"""The kernel rates measured on an H200 (``costmodel.calibration.H200``) on any target's own peak
+rates: the benches' calibrated column on targets without a calibration of their own (H100 SXM:
+the same SM count and clocks as an H200, less HBM bandwidth). Not a member of ``ENVELOPE``."""
 
 
 def variant_names(variants: Sequence[Variant] = ENVELOPE) -> tuple[str, ...]:

@@ -50,7 +50,7 @@ import logging
 import re
 from collections.abc import Mapping
 
-from concerto_jax.costmodel.compute import work_of, work_time_us
+from concerto_jax.costmodel.compute import class_options, work_of, work_time_us
 from concerto_jax.costmodel.hlo_ops import is_kernel, op_info
 from concerto_jax.costmodel.model import CostModel
 from hlo_passes.ir.loops import schedulable_computations
@@ -245,7 +245,8 @@ def fused_costs(post_spmd_module, xla_scheduled, cost_model: CostModel, *, rule:
 
     def own_us(inst) -> float:  # roofline time of the op alone, without launch overhead
         try:
-            return work_time_us(work_of(op_info(inst, cache)), 0, gpu, copts)
+            info = op_info(inst, cache)
+            return work_time_us(work_of(info), 0, gpu, class_options(info, copts))
         except (IndexError, KeyError, ValueError, ZeroDivisionError):
             return 0.0
 

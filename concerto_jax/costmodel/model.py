@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from concerto_jax.costmodel import calibration
 from concerto_jax.costmodel.cluster import Cluster
 from concerto_jax.costmodel.collectives import (
     CollectiveCost,
@@ -29,16 +30,22 @@ class CostOptions:
       compute: efficiency factors and launch overhead of compute kernels.
       collectives: algorithm choice and link efficiency of collectives.
       overlap_slowdown: factor by which compute slows while communication is in
-        flight (configured, not measured, until a GPU is lent; paper: 1.2).
+        flight (configured, not measured: it needs two GPUs; paper: 1.2).
+      calibrated: on a GPU type with measured kernel rates (``costmodel.calibration``), the
+        figures of ``compute`` left at their datasheet defaults take the measured ones; False
+        keeps the datasheet figures there too.
     """
 
     compute: ComputeOptions = ComputeOptions()
     collectives: CollectiveOptions = CollectiveOptions()
     overlap_slowdown: float = DEFAULT_OVERLAP_SLOWDOWN
+    calibrated: bool = True
 
 
 class CostModel:
     """Instruction and collective times on a target cluster; measured times override the model.
+
+    On a GPU type with measured kernel rates (``costmodel.calibration``) those are the defaults.
 
     Args:
       cluster: the target cluster.
@@ -50,9 +57,11 @@ class CostModel:
     def __init__(self, cluster: Cluster, options: CostOptions = CostOptions(),
                  store: ProfileStore | None = None, gpu: GpuSpec | None = None):
         self.cluster = cluster
-        self.options = options
         self.store = store
         self.gpu = gpu if gpu is not None else cluster.gpu_spec
+        if options.calibrated:
+            options = dataclasses.replace(options, compute=calibration.rebase(options.compute, self.gpu))
+        self.options = options
         self.hits = 0
         self.misses = 0
 
