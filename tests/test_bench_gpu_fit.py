@@ -88,3 +88,23 @@ def test_nccl_probe_summary_of_the_h200_run():
     assert len(s["warnings"]) == 2 and "checksum mismatch" in s["warnings"][0]
     s["child_rc"], s["collectives_run"] = 0, 36
     assert "one-rank path" in probe.markdown(s)
+
+
+def test_kernel_times_count_an_instructions_executions_apart_from_its_kernels(tmp_path):
+    """On a profile an H200 measured (committed): cuBLAS GEMMs launch a memset beside the GEMM,
+    two kernels for one execution; no instruction of these loop-free modules runs twice."""
+    import glob
+    import os
+    import tarfile
+
+    from concerto_jax.gpu_check import check
+
+    archive = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "gpu",
+                           "h200-2026-11-27-run2", "profile.tar.gz")
+    with tarfile.open(archive) as t:
+        t.extractall(tmp_path, filter="data")
+    pb = sorted(glob.glob(str(tmp_path / "**" / "evoformer_dap8.stock" / "**" / "*.xplane.pb"), recursive=True))[0]
+    times = check.kernel_times(os.path.dirname(pb), runs=3)
+    assert len(times) > 100 and {executions for _, _, executions in times.values()} == {1}
+    two = [name for name, (_, launches, _) in times.items() if launches == 2]
+    assert two and all(name.startswith("custom-call") for name in two)

@@ -892,7 +892,7 @@ def validate_prepared(prepared_dir: str, run: Run, kind: str = "NVIDIA H100 80GB
 
 _KERNEL_COLUMNS = ("case", "program", "modules", "instruction", "class", "predicted_us", "measured_us", "launches",
                    "executions",
-                   "mm_peak_us", "vector_us", "mem_peak_us", "model_kernels")
+                   "mm_peak_us", "vector_us", "mem_peak_us", "model_kernels", "dtype")
 _CALIBRATION_COLUMNS = ("case", "program", "modules", "predicted_step_us", "measured_step_us", "error",
                         "measured_step_cmdbuf_us", "kernels_mapped", "kernels_unmapped", "standins")
 
@@ -925,7 +925,7 @@ def kernel_class(inst) -> str:
 def _predictions(final_text: str, cost_model, work: dict | None = None) -> tuple[dict, dict, float]:
     """``({instruction: predicted us}, {instruction: class}, predicted step us)`` of a final module;
     ``work`` (if given) receives ``{instruction: {mm_peak_us, vector_us, mem_peak_us,
-    model_kernels}}``: the roofline terms at full efficiency, for refitting the model's rates."""
+    model_kernels, dtype}}``: the roofline terms at full efficiency, for refitting the model's rates."""
     module = parse_module(final_text, source="final")
     pred, cls = {}, {}
     gpu = cost_model.gpu
@@ -948,7 +948,9 @@ def _predictions(final_text: str, cost_model, work: dict | None = None) -> tuple
                         "mm_peak_us": round(1e6 * sum(f / gpu.matmul_flops_per_s(d) for d, f in w.matmul_flops), 3),
                         "vector_us": round(1e6 * w.vector_flops / gpu.vector_flops_per_s("f32"), 3),
                         "mem_peak_us": round(1e6 * w.bytes / gpu.hbm_bytes_per_s, 3),
-                        "model_kernels": kernel_count(op)}
+                        "model_kernels": kernel_count(op),
+                        # the tensor-core dtype (GEMM rates differ by it: TF32 against bf16)
+                        "dtype": "+".join(sorted(d for d, _ in w.matmul_flops))}
                 except Exception:  # noqa: BLE001 - the row keeps its prediction without the terms
                     pass
     return pred, cls, judge_module(final_text, cost_model).us
