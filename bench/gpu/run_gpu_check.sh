@@ -21,6 +21,7 @@
 # probe: bench/gpu/dispatch_probe.py into $OUT/probe (plain jit vs the route vs optimize).
 # nccl: bench/gpu/nccl_tuner_probe.py into $OUT/nccl (our NCCL tuner plugin in the machine's NCCL;
 #   built there, or the copy prepare built into .gpu_prepared/nccl_tuner/).
+# gemms: bench/gpu/gemm_sweep.py into $OUT/gemms (GEMM time by shape and dtype).
 #
 # On the GPU machine, from the repository root (about 10 minutes; a limit of 560 s):
 #   bash bench/gpu/run_gpu_check.sh device
@@ -81,6 +82,10 @@ nccl() {  # the NCCL tuner plugin in the machine's own NCCL: about 30 s
     script nccl "${NCCL_TIMEOUT_S:-150}" nccl_tuner_probe.py tail -5
 }
 
+gemms() {  # GEMM time by shape and dtype (bench/gpu/gemm_sweep.py): about two minutes
+    script gemms "${GEMM_TIMEOUT_S:-200}" gemm_sweep.py sh -c 'grep gemm_sweep | tail -40'
+}
+
 device() {
     local out="${OUT:-/tmp/out}/gc"
     mkdir -p "$out"
@@ -115,5 +120,6 @@ case "${1:-}" in
     device) shift; device "$@" ;;
     probe) probe ;;
     nccl) nccl ;;
-    *) echo "usage: $0 prepare|device [ARGS]|probe|nccl" >&2; exit 2 ;;
+    gemms) gemms ;;
+    *) echo "usage: $0 prepare|device [ARGS]|probe|nccl|gemms" >&2; exit 2 ;;
 esac
