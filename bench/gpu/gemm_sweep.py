@@ -24,6 +24,8 @@ import os
 import tempfile
 import time
 
+from concerto_jax.costmodel.specs import H200_SXM
+
 log = logging.getLogger("concerto_jax.gemm_sweep")
 
 SQUARES = (256, 512, 1024, 2048, 4096, 8192)
@@ -45,16 +47,19 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=150.0)
+    ap.add_argument("--recompute", metavar="WHERE", help="only rewrite DIR's tables from their measured column; "
+                    "WHERE: the JAX version and GPU the sweep ran on")
     args = ap.parse_args()
+    if args.recompute:
+        recompute(os.path.join(args.out, "gemms.csv"), args.recompute)
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import jax
     import jax.numpy as jnp
 
-    from concerto_jax.costmodel.specs import H200_SXM
     from concerto_jax.gpu_check.check import kernel_times
 
     os.makedirs(args.out, exist_ok=True)
-    peak = dict(H200_SXM.matmul_tflops)
     dev = jax.devices()[0]
     t_start = time.perf_counter()
     rows = []
@@ -78,26 +83,42 @@ def main() -> int:
             times = kernel_times(d, runs=args.runs) if found else {}
         # the GEMM's instruction (the one with the most time), its kernels summed per execution
         us, launches, executions = max(times.values(), default=(0.0, 0, 1), key=lambda v: v[0])
-        gflop = 2.0 * m * k * n / 1e9
-        per = us / max(executions, 1)
-        tflops = gflop / per / 1e3 if per else 0.0
-        rows.append({"dtype": short, "m": m, "k": k, "n": n, "gflop": round(gflop, 3),
-                     "measured_us": round(per, 2), "kernels": launches, "tflops": round(tflops, 1),
-                     "fraction_of_peak": round(tflops / peak[short], 3) if per else ""})
-        log.info("%s %5d x %5d x %5d: %8.2f us, %6.1f TFLOP/s (%s of peak)", short, m, k, n, per, tflops,
-                 rows[-1]["fraction_of_peak"])
+        rows.append(row(short, m, k, n, us / max(executions, 1), launches))
+        log.info("%s %5d x %5d x %5d: %8.2f us, %6.1f TFLOP/s (%s of peak)", short, m, k, n,
+                 rows[-1]["measured_us"], rows[-1]["tflops"], rows[-1]["fraction_of_peak"])
+    write(rows, args.out, f"{jax.__version__}, {dev.device_kind}")
+    return 0
+
+
+def row(dtype: str, m: int, k: int, n: int, measured_us: float, kernels: int) -> dict:
+    """One GEMM's row: its shape, GFLOP, measured time per execution, rate, fraction of peak."""
+    gflop = 2.0 * m * k * n / 1e9
+    tflops = gflop / measured_us * 1e3 if measured_us else 0.0  # GFLOP per us is PFLOP/s
+    return {"dtype": dtype, "m": m, "k": k, "n": n, "gflop": round(gflop, 3), "measured_us": round(measured_us, 2),
+            "kernels": kernels, "tflops": round(tflops, 1),
+            "fraction_of_peak": round(tflops / dict(H200_SXM.matmul_tflops)[dtype], 3) if measured_us else ""}
+
+
+def write(rows: list[dict], out: str, where: str) -> None:
     cols = list(rows[0]) if rows else ["dtype"]
-    with open(os.path.join(args.out, "gemms.csv"), "w", newline="") as f:
+    with open(os.path.join(out, "gemms.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=cols)
         w.writeheader()
         w.writerows(rows)
-    with open(os.path.join(args.out, "gemms.md"), "w") as f:
-        f.write(f"# GEMMs by shape and dtype ({jax.__version__}, {dev.device_kind}; measured)\n\n"
+    with open(os.path.join(out, "gemms.md"), "w") as f:
+        f.write(f"# GEMMs by shape and dtype ({where}; measured)\n\n"
                 "Peak: the H200 datasheet's dense tensor-core rate (bf16 989, TF32 494 TFLOP/s).\n\n"
                 "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n")
         for r in rows:
             f.write("| " + " | ".join(str(r[c]) for c in cols) + " |\n")
-    return 0
+
+
+def recompute(csv_path: str, where: str) -> None:
+    """Rewrite a sweep's tables from its measured column (GFLOP, rate and fraction derived again)."""
+    with open(csv_path) as f:
+        rows = [row(r["dtype"], int(r["m"]), int(r["k"]), int(r["n"]), float(r["measured_us"]), int(r["kernels"]))
+                for r in csv.DictReader(f)]
+    write(rows, os.path.dirname(csv_path), where)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ The set (``ENVELOPE``), around the nominal model, spans the ranges
 figure                             nominal      range judged
 =================================  ===========  =============================================
 kernel launch overhead             2 µs         6 µs; 0.5 µs (command buffers)
-GEMM efficiency                    0.7          0.5, 0.9, and by GEMM size (0.5 -> 0.9)
+GEMM efficiency                    0.7          0.5, 0.9, and by GEMM size (0.2 -> 0.83)
 memory-bound (HBM) efficiency      0.8          0.6, 0.9
 overlap slowdown                   1.1          1.0, 1.3
 link efficiency                    0.8          0.6, 1.0
@@ -39,9 +39,9 @@ of any single figure being off by its whole range.
   (``autoccl.knobs.XLA_DEFAULT_COMMAND_BUFFER``). The low end stands for the whole 0.5-1 µs
   range (monotone).
 * ``gemm_0.5`` / ``gemm_0.9``: every GEMM at 0.5 / 0.9 of tensor-core peak.
-* ``gemm_by_shape``: efficiency rising with the GEMM's size, 0.5 at 2 GFLOP and below to 0.9
-  at 1 TFLOP and above, log-linear between (``GemmByShape``): the cost a split pays for
-  making each GEMM smaller, which uniform efficiencies cannot see.
+* ``gemm_by_shape``: efficiency rising with the GEMM's size, 0.2 at 0.54 GFLOP and below to
+  0.83 at 17 GFLOP and above, log-linear between, as measured on an H200 (``GemmByShape``):
+  the cost a split pays for making each GEMM smaller, which uniform efficiencies cannot see.
 * ``hbm_0.6`` / ``hbm_0.9``: memory-bound kernels (the copies, slices, sums and concats a
   split adds) at 0.6 / 0.9 of HBM bandwidth.
 * ``slowdown_1.0`` / ``slowdown_1.3``: no slowdown of compute under communication, and 1.3x
@@ -96,13 +96,19 @@ NOMINAL = "nominal"
 class GemmByShape:
     """GEMM efficiency by the kernel's tensor-core FLOPs: ``low`` at ``small_flops`` and below,
     ``high`` at ``large_flops`` and above, linear in log(FLOPs) between: small GEMMs fill
-    fewer SMs for a shorter time (wave quantization, prologue and epilogue), so halving a GEMM
-    costs it about 0.045 of efficiency here."""
+    fewer SMs for a shorter time (wave quantization, prologue and epilogue).
 
-    low: float = 0.5
-    high: float = 0.9
-    small_flops: float = 2.0 ** 31
-    large_flops: float = 2.0 ** 40
+    The defaults are measured: 42 GEMMs timed on an H200 (bf16 and TF32, 0.03-1,100 GFLOP: squares
+    and a transformer layer's GEMMs split in 1-8; ``bench/gpu/gemm_sweep.py``,
+    ``bench/results/gpu/h200-2026-11-28/gemms/``), fitted with the model's fixed 1.5 us per kernel:
+    0.20 of peak at 0.54 GFLOP, 0.83 from 17 GFLOP on (median time error 7.8 % against 15.4 % for
+    the configured 0.5 at 2 GFLOP to 0.9 at 1.1 TFLOP it replaces). Halving a GEMM on the ramp
+    costs it 0.126 of efficiency; above 17 GFLOP nothing."""
+
+    low: float = 0.20
+    high: float = 0.83
+    small_flops: float = 2.0 ** 29
+    large_flops: float = 2.0 ** 34
 
     def efficiency(self, flops: float) -> float:
         if flops <= self.small_flops:
