@@ -7,6 +7,7 @@ cases (no header, another device count, another compute capability) give a clear
 fallback, never a crash. What needs a GPU is ``python -m concerto_jax.gpu_check``'s.
 """
 
+import dataclasses
 import types
 import warnings
 
@@ -273,6 +274,29 @@ def test_device_target_refuses_what_it_cannot_build_for(devices, match):
     with pytest.raises(GpuRouteError, match=match) as err:
         route.device_target(devices)
     assert err.value.stage == "target_config"
+
+
+@pytest.mark.parametrize(("devices", "target", "want"), [
+    ([_gpu("NVIDIA H200", "9.0", i=i) for i in range(8)], "h100_sxm_8", "h200_sxm_8"),  # measured rates
+    ([_gpu("NVIDIA H100 80GB HBM3", "9.0", i=i) for i in range(8)], "h100_sxm_8", "h100_sxm_8"),
+    ([_gpu("NVIDIA H100 80GB HBM3", "9.0", i=i) for i in range(8)], "h100_sxm_2x4", "h100_sxm_2x4"),  # its GPU
+    ([_gpu("NVIDIA H100 PCIe", "9.0")], "h100_sxm_8", "h100_pcie_8"),
+    ([_gpu("NVIDIA H200", "9.0", process=p, i=p) for p in range(2)], "h100_sxm_8", "h100_sxm_8"),  # 2 hosts
+    ([_gpu("NVIDIA B200", "10.0")], "h100_sxm_8", "h100_sxm_8"),  # no cluster of its own
+])
+def test_the_route_plans_with_the_cost_model_of_the_devices_gpu(devices, target, want):
+    assert route.cost_target_for(devices, target) == want
+
+
+def test_an_h200_step_is_planned_with_the_h200s_measured_rates():
+    import concerto_jax
+    from concerto_jax.costmodel import CostModel, calibration, get_cluster
+
+    options = concerto_jax.Options(passes=("schedule",))
+    target = route.cost_target_for([_gpu("NVIDIA H200", "9.0")], options.target)
+    planned = dataclasses.replace(options, target=target)
+    assert CostModel(get_cluster(planned.target)).options.compute == calibration.H200.compute
+    assert planned.passes == options.passes
 
 
 # -- pieces -------------------------------------------------------------------------------------

@@ -76,6 +76,32 @@ _KIND_TO_CONFIG: tuple[tuple[re.Pattern, str], ...] = (
 )
 
 
+# device kind -> the one-host cluster of that GPU (``costmodel.CLUSTERS``); first match wins
+_KIND_TO_CLUSTER: tuple[tuple[re.Pattern, str], ...] = (
+    (re.compile(r"H100.*PCIe", re.I), "h100_pcie_8"),
+    (re.compile(r"H100", re.I), "h100_sxm_8"),
+    (re.compile(r"H200|GH200", re.I), "h200_sxm_8"),
+    (re.compile(r"A100", re.I), "a100_80_8"),
+)
+
+
+def cost_target_for(devices: Sequence, target: str) -> str:
+    """The cluster whose cost model plans a step on ``devices``: ``target`` where its GPU is
+    theirs; else, for one process of one GPU kind the one-host cluster has room for, that
+    cluster (an H200's measured kernel rates, ``costmodel.calibration``, in place of the
+    datasheet figures of ``Options.target``'s default H100); else ``target`` (several hosts:
+    its topology stands)."""
+    facts = [jax_compat.gpu_device_facts(d) for d in devices]
+    kinds = {f["device_kind"] for f in facts}
+    if len(kinds) != 1 or len({f["process_index"] for f in facts}) != 1:
+        return target
+    kind = kinds.pop()
+    name = next((c for pattern, c in _KIND_TO_CLUSTER if pattern.search(kind or "")), None)
+    if name is None or get_cluster(name).gpu.name == get_cluster(target).gpu.name:
+        return target
+    return name if len(devices) <= get_cluster(name).num_devices else target
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceTarget:
     """The deviceless topology that stands for the step's real devices (what ``pjrt_c.Topology``
@@ -479,6 +505,11 @@ class GpuBackend:
             return compile_replicated_for_target(text, stock.device_list,
                                                  dict(options.compiler_options), after_lhs=True)[3]
 
+        target = cost_target_for(stock.device_list, options.target)
+        if target != options.target:
+            log.info("planning with the cost model of %s (the step's devices are %s; Options.target %s "
+                     "is another GPU)", target, stock.device_list[0].device_kind, options.target)
+            options = dataclasses.replace(options, target=target)
         return plan_on_scheduled(stock.post_spmd, stock.scheduled, options, xla_scheduled)
 
     def target(self, devices: Sequence) -> DeviceTarget:
