@@ -5,10 +5,11 @@ Every speed figure of this project is XLA's final module simulated by our cost m
 combine-threshold search were all chosen under that same model, so a gain could be an
 artefact of it. Here both final modules of the held-out step (``bench.heldout_target``,
 compiled once per layout by ``compile_for_target`` at the defaults) are judged again under
-each plausible cost model of ``costmodel.envelope.ENVELOPE`` (each configured figure at both
-ends of its range, one at a time: launch 6 / 0.5 us, GEMMs at 0.5 / 0.9 of peak and by
-size, HBM at 0.6 / 0.9, overlap slowdown 1.0 / 1.3, links at 0.6 / 1.0) and at the
-``adverse`` corner (every figure at its hostile end at once). Nothing is re-planned: the
+each plausible cost model of ``costmodel.envelope.ENVELOPE`` (each figure at both ends of its
+range, one at a time: launch 6 / 1.5 us, GEMMs at 0.6 / 0.9 of peak and by size, HBM at 0.7 /
+0.9, overlap slowdown 1.0 / 1.3, links at 0.6 / 1.0), at the ``adverse`` corner (every figure
+at its hostile end at once) and under the kernel rates measured on an H200
+(``calibrated_h200``). Nothing is re-planned: the
 modules are fixed, only the judge changes (what an independent simulator with other figures
 would see).
 
