@@ -307,9 +307,43 @@ def test_bench_columns_count_kernels_and_bytes_per_step_by_trips():
     # a module against itself: every model's gain is 1, nothing added
     text = open(_FINAL).read()
     row = columns(text, text, "h100_sxm_8")
-    assert row["nominal_gain"] == row["worst_gain"] == row["adverse_gain"] == 1.0
+    assert row["nominal_gain"] == row["worst_gain"] == row["adverse_gain"] == row["calibrated_gain"] == 1.0
     assert row["added_kernels"] == 0 and row["added_mb"] == 0.0
     assert row["stock_kernels"] == row["ours_kernels"] == kernels_and_bytes(text)[0] > 0
+
+
+def test_rejudge_judges_saved_pairs_under_every_model(tmp_path):
+    """``python -m bench.rejudge``: a saved pair (stock, ours) judged again, the columns of the
+    compile_for_target benches; the calibrated one is the H200 rates' judge of the two programs."""
+    import csv
+    import gzip
+    import json
+
+    from bench import rejudge
+    from concerto_jax.costmodel.envelope import CALIBRATED_H200
+    from concerto_jax.judge import judge_module
+
+    text = open(_FINAL).read()
+    other = open(_FINAL.replace(".final.hlo", ".after_lhs.hlo")).read()  # another program of the step
+    for name, (stock, ours) in {"same": (text, text), "other": (text, other)}.items():
+        with open(tmp_path / f"{name}.json", "w") as f:
+            json.dump({"cluster": "h100_sxm_8", "jax": "test"}, f)
+        for program, t in (("stock", stock), ("ours", ours)):
+            with gzip.open(tmp_path / f"{name}.{program}.hlo.gz", "wt") as f:
+                f.write(t)
+    out = tmp_path / "out"
+    assert rejudge.main([str(tmp_path), "--out", str(out)]) == 0
+    with open(out / "rejudge.csv") as f:
+        rows = {r["case"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"same", "other"}
+    assert float(rows["same"]["calibrated_gain"]) == float(rows["same"]["nominal_gain"]) == 1.0
+    other_row = rows["other"]
+    assert float(other_row["worst_gain"]) <= float(other_row["nominal_gain"])
+    h200 = CALIBRATED_H200.cost_model(get_cluster("h100_sxm_8"))
+    want = judge_module(text, h200).us / judge_module(other, h200).us
+    assert float(other_row["calibrated_gain"]) == pytest.approx(want, abs=1e-4)
+    assert "calibrated_gain" in (out / "rejudge.md").read_text()
+    assert rejudge.main([str(tmp_path / "out"), "--out", str(tmp_path / "none")]) == 1  # no pair there
 
 
 @needs_plugin
