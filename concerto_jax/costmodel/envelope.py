@@ -3,10 +3,11 @@
 Where kernel times were not measured on the target, the figures the cost model uses for a GPU
 are configured: GEMMs at 0.7 of tensor-core peak, streaming kernels at 0.8 of HBM bandwidth,
 2 µs per kernel launch, compute slowed 1.1x while a collective is in flight, links at 0.8 of
-their peak (an H200's kernel figures are measured: ``costmodel.calibration``; its ranges below
-are narrowed to what was measured there). A decision that trades extra kernels or bytes for hidden communication (split a
-collective's region, keep a rewrite, pick XLA's combine thresholds, keep our program over
-stock XLA's) can win under those figures and lose under others that are just as plausible.
+their peak (an H200's kernel figures are measured, ``costmodel.calibration``, and the kernel
+ranges below are narrowed to what was measured there). A decision that trades extra kernels or
+bytes for hidden communication (split a collective's region, keep a rewrite, pick XLA's combine
+thresholds, keep our program over stock XLA's) can win under those figures and lose under
+others that are just as plausible.
 So such decisions are also judged under each model of ``ENVELOPE`` and kept only where they
 win under every one of them (``RobustVerdict``: nominal and worst-case gain per decision).
 
