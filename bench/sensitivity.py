@@ -9,9 +9,8 @@ each plausible cost model of ``costmodel.envelope.ENVELOPE`` (each figure at bot
 range, one at a time: launch 6 / 1.5 us, GEMMs at 0.6 / 0.9 of peak and by size, HBM at 0.7 /
 0.9, overlap slowdown 1.0 / 1.3, links at 0.6 / 1.0), at the ``adverse`` corner (every figure
 at its hostile end at once) and under the kernel rates measured on an H200
-(``calibrated_h200``). Nothing is re-planned: the
-modules are fixed, only the judge changes (what an independent simulator with other figures
-would see).
+(``calibrated_h200``). Nothing is re-planned: the modules are fixed, only the judge changes
+(what an independent simulator with other figures would see).
 
 Command line::
 
