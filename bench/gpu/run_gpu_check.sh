@@ -22,6 +22,7 @@
 # nccl: bench/gpu/nccl_tuner_probe.py into $OUT/nccl (our NCCL tuner plugin in the machine's NCCL;
 #   built there, or the copy prepare built into .gpu_prepared/nccl_tuner/).
 # gemms: bench/gpu/gemm_sweep.py into $OUT/gemms (GEMM time by shape and dtype).
+# split: bench/gpu/split_cost_probe.py into $OUT/split (a split's compute cost, several compiles).
 #
 # On the GPU machine, from the repository root (about 10 minutes; a limit of 560 s):
 #   bash bench/gpu/run_gpu_check.sh device
@@ -86,6 +87,10 @@ gemms() {  # GEMM time by shape and dtype (bench/gpu/gemm_sweep.py): about two m
     script gemms "${GEMM_TIMEOUT_S:-200}" gemm_sweep.py sh -c 'grep gemm_sweep | tail -40'
 }
 
+split() {  # a split's compute cost against compile-to-compile noise (bench/gpu/split_cost_probe.py)
+    script split "${SPLIT_TIMEOUT_S:-200}" split_cost_probe.py tail -12
+}
+
 device() {
     local out="${OUT:-/tmp/out}/gc"
     mkdir -p "$out"
@@ -121,5 +126,6 @@ case "${1:-}" in
     probe) probe ;;
     nccl) nccl ;;
     gemms) gemms ;;
-    *) echo "usage: $0 prepare|device [ARGS]|probe|nccl|gemms" >&2; exit 2 ;;
+    split) split ;;
+    *) echo "usage: $0 prepare|device [ARGS]|probe|nccl|gemms|split" >&2; exit 2 ;;
 esac
