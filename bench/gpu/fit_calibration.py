@@ -89,17 +89,22 @@ def fit_group(rows: list[dict]) -> tuple[float, float]:
     """``(efficiency, fixed_us)`` minimising ``sum((pred - measured)^2 / measured)`` over the
     measured launches: the long kernels, which make a step's time, weigh most, and the short
     ones still count."""
+    rows = [r for r in rows if r["measured_us"] > 0]
     if not rows:
         return math.nan, math.nan
     measured = np.array([r["measured_us"] / r["executions"] for r in rows])
-    keep = measured > 0
+    col = {k: np.array([float(r[k]) for r in rows]) for k in ("mm_peak_us", "vector_us", "mem_peak_us")}
+    kernels = np.array([max(r["model_kernels"], 1) for r in rows], dtype=float)
+    matrix = np.array([r["group"] in MATRIX_CLASSES for r in rows])
+    fixed = np.linspace(0.0, 8.0, 81)[:, None]  # every fixed time at once: model_us, vectorised
     best, arg = math.inf, (math.nan, math.nan)
     for eff in np.linspace(0.05, 1.5, 146):
-        for fixed in np.linspace(0.0, 8.0, 81):
-            pred = np.array([model_us(r, eff, fixed) for r in rows])
-            err = float(np.sum((pred[keep] - measured[keep]) ** 2 / measured[keep]))
-            if err < best:
-                best, arg = err, (float(eff), float(fixed))
+        busy = np.where(matrix, np.maximum(col["mm_peak_us"] / eff + col["vector_us"], col["mem_peak_us"] / 0.8),
+                        np.maximum(col["vector_us"], col["mem_peak_us"] / eff))
+        err = np.sum((busy + fixed * kernels - measured) ** 2 / measured, axis=1)
+        i = int(np.argmin(err))
+        if err[i] < best:
+            best, arg = float(err[i]), (float(eff), float(fixed[i, 0]))
     return arg
 
 
