@@ -180,7 +180,9 @@ class Options:
     # (is_scheduled=true, async collective start/done pairs at planned positions).
     dump_dir: str | None = None
     # Target cluster whose cost model drives the passes (a name from
-    # concerto_jax.costmodel.CLUSTERS, e.g. "h100_sxm_8", "h100_sxm_2x8").
+    # concerto_jax.costmodel.CLUSTERS, e.g. "h100_sxm_8", "h100_sxm_2x8"). optimize on GPUs of
+    # another kind, in one process, plans with that GPU's cluster where one is shipped
+    # (gpu_route.route.cost_target_for: on H200s, the kernel rates measured there).
     target: str = "h100_sxm_8"
     # Scheduler settings of the "schedule" pass (time limits, windows, seed).
     scheduler: ScheduleOptions = ScheduleOptions()
