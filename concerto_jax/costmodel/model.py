@@ -18,7 +18,7 @@ from concerto_jax.costmodel.profile_store import ProfileStore
 from concerto_jax.costmodel.specs import GpuSpec
 
 DEFAULT_OVERLAP_SLOWDOWN = 1.1
-"""Compute slowdown while a collective is in flight: configured, not measured (no GPU lent yet).
+"""Compute slowdown while a collective is in flight: configured, not measured (it needs two GPUs).
 The Concerto paper hard-codes 1.2."""
 
 
