@@ -13,6 +13,7 @@ The unit is one execution of an HLO instruction, as the model prices it: its mea
 the sum of every kernel it launched (a cuBLAS GEMM launches a memset beside it), divided by its
 executions per run (``executions``: 1 outside loops; runs from before that column have no
 loops in their modules and count 1).
+
 Per class it reports the error before (the shipped defaults) and after, on both halves: the
 error of the class's summed time and the median per-kernel relative error. Per case it reports
 the step's time outside its kernels (gaps: launches, synchronisation), per kernel launched.
@@ -87,7 +88,7 @@ def model_us(r: dict, efficiency: float, fixed_us: float) -> float:
 
 def fit_group(rows: list[dict]) -> tuple[float, float]:
     """``(efficiency, fixed_us)`` minimising ``sum((pred - measured)^2 / measured)`` over the
-    measured launches: the long kernels, which make a step's time, weigh most, and the short
+    measured executions: the long kernels, which make a step's time, weigh most, and the short
     ones still count."""
     rows = [r for r in rows if r["measured_us"] > 0]
     if not rows:
