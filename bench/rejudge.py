@@ -15,7 +15,6 @@ and ``rejudge.md`` under ``--out``.
 from __future__ import annotations
 
 import argparse
-import csv
 import gzip
 import json
 import logging
@@ -25,6 +24,7 @@ import sys
 import time
 
 from bench import robust_columns
+from concerto_jax.gpu_check.check import markdown_table, write_csv
 
 log = logging.getLogger("bench.rejudge")
 
@@ -54,16 +54,12 @@ def rows(directory: str) -> list[dict]:
 
 def write(table: list[dict], out: str, command: str) -> None:
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "rejudge.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(table)
+    write_csv(os.path.join(out, "rejudge.csv"), table, COLUMNS)
     shown = ("case", "cluster", "nominal_gain", "worst_gain", "worst_variant", "adverse_gain", "calibrated_gain",
              "added_kernels")
     lines = ["# Stock vs ours, the same modules judged again (simulated)\n", f"Command: `{command}`\n",
              " ".join((__doc__ or "").split("\n\n")[1].split()) + "\n", robust_columns.legend() + "\n",
-             "| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
-    lines += ["| " + " | ".join(str(r.get(c, "")) for c in shown) + " |" for r in table]
+             markdown_table(table, shown)]
     for c in ("nominal_gain", "worst_gain", "adverse_gain", "calibrated_gain"):
         g = [r[c] for r in table if isinstance(r.get(c), float)]
         if g:

@@ -100,17 +100,14 @@ def row(dtype: str, m: int, k: int, n: int, measured_us: float, kernels: int) ->
 
 
 def write(rows: list[dict], out: str, where: str) -> None:
+    from concerto_jax.gpu_check.check import markdown_table, write_csv  # lazy: imports JAX
+
     cols = list(rows[0]) if rows else ["dtype"]
-    with open(os.path.join(out, "gemms.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols)
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(os.path.join(out, "gemms.csv"), rows, cols)
     with open(os.path.join(out, "gemms.md"), "w") as f:
         f.write(f"# GEMMs by shape and dtype ({where}; measured)\n\n"
                 "Peak: the H200 datasheet's dense tensor-core rate (bf16 989, TF32 494 TFLOP/s).\n\n"
-                "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n")
-        for r in rows:
-            f.write("| " + " | ".join(str(r[c]) for c in cols) + " |\n")
+                + markdown_table(rows, cols) + "\n")
 
 
 def recompute(csv_path: str, where: str) -> None:

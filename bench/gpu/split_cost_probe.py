@@ -18,7 +18,6 @@ hardware; without a GPU it stops with a message (XLA's GPU pipeline needs one).
 from __future__ import annotations
 
 import argparse
-import csv
 import gzip
 import logging
 import os
@@ -90,13 +89,9 @@ def main() -> int:
              "max_us": round(max(e["times"]), 1), "rounds": len(e["times"]), "compile_s": e["compile_s"]}
             for e in entries]
     cols = list(rows[0]) if rows else ["case"]
-    with open(os.path.join(args.out, "split_cost.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols)
-        w.writeheader()
-        w.writerows(rows)
+    check.write_csv(os.path.join(args.out, "split_cost.csv"), rows, cols)
     lines = [f"# A split's compute cost against compile-to-compile noise ({jax.__version__}, {device.device_kind}; "
-             "measured, XLA's defaults)\n", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+             "measured, XLA's defaults)\n", check.markdown_table(rows, cols)]
     for case in dict.fromkeys(r["case"] for r in rows):
         by = {p: [r["median_us"] for r in rows if r["case"] == case and r["program"] == p] for p in ("stock", "ours")}
         if by["stock"] and by["ours"]:
