@@ -229,14 +229,10 @@ H100_SXM = GpuSpec(
     sources=("datasheet: NVIDIA H100 Tensor Core GPU datasheet, SXM: BF16 989 TFLOP/s dense, TF32 494, "
              "FP32 67, HBM3 3.35 TB/s, NVLink 900 GB/s bidirectional (450/dir), PCIe Gen5 128 GB/s bidir",),
 )
-H200_SXM = GpuSpec(
-    name="NVIDIA H200 SXM 141GB",
-    matmul_tflops=(("bf16", 989.0), ("f16", 989.0), ("f32", 494.0), ("f8e4m3fn", 1979.0), ("f8e5m2", 1979.0)),
-    vector_tflops=(("f32", 67.0), ("f64", 34.0), ("bf16", 134.0), ("f16", 134.0)),
-    hbm_bytes_per_s=4.8e12, memory_bytes=141 * 10**9, sm_count=132,
-    nvlink_bytes_per_s=450e9, pcie_bytes_per_s=64e9,
-    sources=("datasheet: NVIDIA H200 Tensor Core GPU datasheet, SXM: BF16 989 TFLOP/s dense, TF32 494, "
-             "FP32 67, HBM3e 141 GB at 4.8 TB/s, NVLink 900 GB/s bidirectional (450/dir), PCIe Gen5 128 GB/s bidir",),
+H200_SXM = dataclasses.replace(
+    H100_SXM, name="NVIDIA H200 SXM 141GB", hbm_bytes_per_s=4.8e12, memory_bytes=141 * 10**9,
+    sources=("datasheet: NVIDIA H200 Tensor Core GPU datasheet, SXM: as H100 SXM (BF16 989 TFLOP/s dense, "
+             "TF32 494, FP32 67, NVLink 900 GB/s bidirectional) but HBM3e 141 GB at 4.8 TB/s",),
 )
 H100_PCIE = GpuSpec(
     name="NVIDIA H100 PCIe 80GB",
