@@ -621,26 +621,46 @@ def test_combine_thresholds_per_kind_descent():
 
 
 @needs_plugin
-def test_combine_thresholds_pruned_by_the_estimate():
+def test_combine_thresholds_pruned_by_the_estimate(monkeypatch):
     # Default search: the smallest size is compiled, every other candidate (uniform sizes and
     # the per-kind round) estimated on its module, and only the best-estimated one with buckets
     # of its own (combine_compiles=1) compiled and planned. What is kept is a compiled plan.
+    from concerto_jax.deviceless import combine_search
+
     step, args = _dp_mlp(layers=4, fsdp=True)
-    opts = concerto_jax.Options(passes=("schedule",), fallback=False, deviceless=concerto_jax.DevicelessOptions(
+    # cache_dir=None: the second call below must search again, not read the first one's plan
+    opts = concerto_jax.Options(passes=("schedule",), fallback=False, cache_dir=None,
+                                deviceless=concerto_jax.DevicelessOptions(
         robust=(), time_budget_s=None, combine_thresholds=(1, 8 << 20, 64 << 20), combine_compiles=1))
     res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=opts)
     rec = next(p for p in res.passes if p.name == "combine_thresholds").stats
     est = rec["estimates"]
     assert est["candidates"] >= 3 and est["cycles"] == 0, est
     cands = rec["candidates"]
-    assert len(cands) == rec["compiled"] == 2, cands  # the smallest, then one estimated
+    pruned = rec.get("pruned_by_estimate", [])
+    # the smallest, then the best-estimated one: compiled, or left out where its estimate,
+    # scaled by the smallest size's plan over its estimate, is clearly behind the given plan
+    assert len(cands) == rec["compiled"] and len(cands) + len(pruned) == 2, (cands, pruned)
     assert set(cands[0]["thresholds"].values()) == {1}
     assert all("planned_us" in c and "estimated_us" in c for c in cands), cands
-    assert cands[1]["thresholds"] != cands[0]["thresholds"]
+    scale = cands[0]["planned_us"] / est["model_us"]
+    for p in pruned:
+        assert p["thresholds"] != cands[0]["thresholds"]
+        assert p["predicted_us"] == pytest.approx(p["estimated_us"] * scale, rel=1e-3)
+        assert p["predicted_us"] > rec["current_planned_us"] * (1 + combine_search.ESTIMATE_PRUNE_MARGIN)
+    if len(cands) == 2:
+        assert cands[1]["thresholds"] != cands[0]["thresholds"]
     if rec["chosen"] is not None:
         assert rec["chosen"] in [c["thresholds"] for c in cands]
         assert res.planned_step_us == pytest.approx(min(c["planned_us"] for c in cands), abs=0.11)
     assert res.planned_step_us <= rec["current_planned_us"] + 0.11
+    # without the pruning (a margin nothing exceeds) the best-estimated candidate is compiled
+    monkeypatch.setattr(combine_search, "ESTIMATE_PRUNE_MARGIN", 1e9)
+    wide = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=opts)
+    rec_w = next(p for p in wide.passes if p.name == "combine_thresholds").stats
+    assert rec_w["compiled"] == 2 and "pruned_by_estimate" not in rec_w, rec_w
+    assert [c["thresholds"] for c in rec_w["candidates"]][1:] == \
+        [c["thresholds"] for c in cands][1:] + [p["thresholds"] for p in pruned]
     with pytest.raises(ValueError, match="combine_compiles"):
         concerto_jax.Options(deviceless=concerto_jax.DevicelessOptions(combine_compiles=-1))
 

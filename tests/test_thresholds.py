@@ -61,3 +61,50 @@ def test_estimate_prices_fewer_launches_and_is_finite():
     assert math.isfinite(alone) and math.isfinite(merged) and alone > 0 and merged > 0
     assert alone != merged  # the buckets change the estimate
     assert proxy.cycles == 0
+
+
+def _module(body: str) -> str:
+    return f"""HloModule m
+
+%add (x: f32[], y: f32[]) -> f32[] {{
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}}
+
+ENTRY %main (a: f32[1024], b: f32[2048]) -> (f32[1024], f32[2048]) {{
+  %a = f32[1024]{{0}} parameter(0)
+  %b = f32[2048]{{0}} parameter(1)
+{body}
+}}
+"""
+
+
+def test_given_module_stands_for_the_smallest_size_only_where_nothing_was_combined():
+    # XLA's module at the smallest threshold need not be compiled where the given one has no
+    # combined collective and the given threshold is not below that size; a multi-operand
+    # collective or one over a concatenated buffer (XLA's AllReduceContiguous) was combined.
+    from concerto_jax.deviceless.combine_search import given_is_smallest
+
+    separate = _module("""  %r0 = f32[1024]{0} all-reduce(%a), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %r1 = f32[2048]{0} all-reduce(%b), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  ROOT %t = (f32[1024]{0}, f32[2048]{0}) tuple(%r0, %r1)""")
+    both = _module("""  %r = (f32[1024]{0}, f32[2048]{0}) all-reduce(%a, %b), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %r0 = f32[1024]{0} get-tuple-element(%r), index=0
+  %r1 = f32[2048]{0} get-tuple-element(%r), index=1
+  ROOT %t = (f32[1024]{0}, f32[2048]{0}) tuple(%r0, %r1)""")
+    flat = _module("""  %c = f32[3072]{0} concatenate(%a, %b), dimensions={0}
+  %r = f32[3072]{0} all-reduce(%c), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %r0 = f32[1024]{0} slice(%r), slice={[0:1024]}
+  %r1 = f32[2048]{0} slice(%r), slice={[1024:3072]}
+  ROOT %t = (f32[1024]{0}, f32[2048]{0}) tuple(%r0, %r1)""")
+    kinds = ["all-reduce"]
+    assert given_is_smallest(separate, {}, kinds, 512 << 10)
+    assert not given_is_smallest(both, {}, kinds, 512 << 10)
+    assert not given_is_smallest(flat, {}, kinds, 512 << 10)
+    # a given threshold below the smallest size: the smallest size may combine what it did not
+    flag = "xla_gpu_all_reduce_combine_threshold_bytes"
+    assert not given_is_smallest(separate, {flag: 1024}, kinds, 512 << 10)
+    assert given_is_smallest(separate, {flag: 1 << 20}, kinds, 512 << 10)
+    # above XLA's default threshold the default no longer covers it
+    assert not given_is_smallest(separate, {}, kinds, 64 << 20)

@@ -46,14 +46,15 @@ def combine_threshold_options(nbytes: int) -> dict[str, int]:
     return gpu_combine_threshold_options(dict.fromkeys(COMBINED_KINDS, int(nbytes)))
 
 
-def collectives_by_kind(text: str) -> tuple[dict[str, int], dict[str, tuple]]:
+def collectives_by_kind(text: str, combined: dict | None = None) -> tuple[dict[str, int], dict[str, tuple]]:
     """``(bytes, buckets)`` of the collectives of each ``COMBINED_KINDS`` kind in the module
     ``text`` (sync ops and async starts, sugared or generic, and collective kernel fusions):
     bytes in all (of the op carrying the collective: a sugared start's tuple counts operands
     and results, an over-estimate) and the sorted shapes of its collectives, which say how
     XLA combined them. Only the computations that run as sequences of ops are read: the
     collective inside an ``async-start``'s computation or a collective kernel's fused
-    computation is counted once, through its wrapper."""
+    computation is counted once, through its wrapper. ``combined``, if given, receives per kind
+    how many of its collectives carry more than one operand (what XLA's combiners made)."""
     nbytes = dict.fromkeys(COMBINED_KINDS, 0)
     shapes: dict[str, list] = {k: [] for k in COMBINED_KINDS}
     for comp in schedulable_computations(parse_module(text)):
@@ -63,6 +64,8 @@ def collectives_by_kind(text: str) -> tuple[dict[str, int], dict[str, tuple]]:
                 op = inst.collective_op or inst
                 nbytes[kind] += op.shape.byte_size
                 shapes[kind].append(str(op.shape))
+                if combined is not None and _is_combined(inst, op):
+                    combined[kind] = combined.get(kind, 0) + 1
     return nbytes, {k: tuple(sorted(v)) for k, v in shapes.items()}
 
 
@@ -77,6 +80,61 @@ ROBUST_COMBINE_CHECKS = 3
 """With an envelope, the combine-threshold search checks at most this many of its candidates that
 plan faster than the given settings (fastest first) against the current plan over the envelope's
 cost models, and keeps the first one ``Envelope.compare`` keeps (none: the given settings)."""
+
+
+def _is_combined(inst, op) -> bool:
+    """Whether the collective ``inst`` (its op ``op``) looks like what XLA's combiners made: more
+    than one operand, or one flat operand built by a concatenate (XLA's ``AllReduceContiguous``
+    runs a combined all-reduce over one buffer, its operands concatenated, fused or not). A
+    user's own concatenate reads as combined too: the safe side for ``given_is_smallest``."""
+    if len(op.operands) > 1:
+        return True
+    for x in inst.operands:
+        while x.opcode in ("bitcast", "copy") and x.operands:
+            x = x.operands[0]
+        if x.opcode == "concatenate":
+            return True
+        comps = x.called_computations if x.opcode == "fusion" else []
+        if comps and comps[0].root is not None and comps[0].root.opcode == "concatenate":
+            return True
+    return False
+
+
+ESTIMATE_PRUNE_MARGIN = 0.02
+"""A candidate of the pruned search (``combine_compiles``) is compiled only if its estimate,
+scaled to plans by the module it was made on (that module's plan over its estimate), is at most
+this fraction above the plan at the given settings: a candidate the estimate puts clearly
+behind is not worth a compile (the estimates ranked the held-out steps' sizes as their plans
+did, D35; what the scaled estimates missed by is in docs/DECISIONS.md D45)."""
+
+
+def given_is_smallest(current_src: str, env: dict, present, smallest: int) -> bool:
+    """Whether XLA's module of the program at the smallest candidate size is the given one
+    (``current_src``, compiled at the given settings ``env``), so that it need not be compiled.
+
+    True where none of the ``present`` kinds' collectives in ``current_src`` was combined
+    (``_is_combined``: XLA's combiners merged nothing) and the given threshold of each is not below
+    ``smallest``: a combiner that merged no two collectives at a threshold merges none at a
+    lower one (each merge it could make there fits under the higher one too; what stopped it,
+    a data path or another kind, does not depend on the size), and the thresholds are read by
+    the combiners alone. An unset threshold is XLA's default (``XLA_DEFAULT_COMBINE_THRESHOLD``,
+    or larger ones XLA's heuristics choose for synchronous and pipelined collectives).
+    """
+    combined: dict = {}
+    collectives_by_kind(current_src, combined)
+    if any(combined.get(k) for k in present):
+        return False
+    for kind in present:
+        (flag,) = gpu_combine_threshold_options({kind: 0})
+        if int(env.get(flag, XLA_DEFAULT_COMBINE_THRESHOLD)) < smallest:
+            return False
+    return True
+
+
+XLA_DEFAULT_COMBINE_THRESHOLD = 30 * 1024 * 1024 + 7
+"""XLA's default all-reduce, all-gather and reduce-scatter combine threshold in bytes
+(``xla/service/collective_utils.h``; the GPU combiners use larger ones of their own for
+synchronous and pipelined collectives when the flag is left at it)."""
 
 
 def tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: float,
@@ -185,9 +243,23 @@ def tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: flo
     varied = [k for k in present if sizes and given[k] > min(sizes)]
     per_kind = options.deviceless.combine_per_kind and len(varied) >= 2
     proxy_stats: dict = {}
+    anchor_us = None  # the plan of the module the estimates are made on
+    pruned: list[dict] = []  # candidates the estimate says cannot win (ESTIMATE_PRUNE_MARGIN)
     if len(sizes) > 1 and present:
         # the smallest size first: its module is what the others are estimated on
-        src = attempt(dict.fromkeys(COMBINED_KINDS, min(sizes)))
+        smallest = dict.fromkeys(COMBINED_KINDS, min(sizes))
+        if given_is_smallest(current_src, env, present, min(sizes)):
+            key = key_of(smallest)
+            seen.add(key)
+            tried.append({"thresholds": dict(key), "planned_us": round(current_us, 1),
+                          "same_module_as": "given"})
+            src, anchor_us = current_src, current_us
+            log.info("compile_for_target: combine thresholds: nothing combined at the given "
+                     "settings: the smallest size's module is the given one (not compiled)")
+        else:
+            src = attempt(smallest)
+            if src is not None:
+                anchor_us = tried[-1]["planned_us"]
         if src is not None:
             buckets_at[min(sizes)] = collectives_by_kind(src)[1]
             proxy_stats = _estimate_candidates(src, cost_model, sizes, present, varied, per_kind, given,
@@ -198,8 +270,18 @@ def tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: flo
                     t["estimated_us"] = round(estimates[k], 1)
     ranked = proxy_stats.get("ranked")
     if options.deviceless.combine_compiles is not None and ranked is not None:
-        batch = [c for c in ranked[:options.deviceless.combine_compiles]
-                 if key_of(c) and key_of(c) not in seen]
+        batch = []
+        for c in ranked[:options.deviceless.combine_compiles]:
+            if not key_of(c) or key_of(c) in seen:
+                continue
+            # the estimate scaled to plans by the module it was made on (its plan / its estimate)
+            predicted = anchor_us * estimates[key_of(c)] / proxy_stats["model_us"]
+            if predicted > current_us * (1.0 + ESTIMATE_PRUNE_MARGIN):
+                seen.add(key_of(c))
+                pruned.append({"thresholds": dict(key_of(c)), "estimated_us": round(estimates[key_of(c)], 1),
+                               "predicted_us": round(predicted, 1)})
+                continue
+            batch.append(c)
         fits = len(batch)
         if clock is not None:  # as many as fit, compiled side by side (PARALLEL_COMPILE_COST)
             one = max(durations, default=clock.compile_s)
@@ -261,7 +343,9 @@ def tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: flo
              "chosen": chosen}
     if proxy_stats:
         stats["estimates"] = {k: v for k, v in proxy_stats.items() if k != "ranked"}
-        stats["compiled"] = sum("error" not in t for t in tried)
+        stats["compiled"] = sum("error" not in t and "same_module_as" not in t for t in tried)
+    if pruned:
+        stats["pruned_by_estimate"] = pruned
     if cut:
         stats["cut_by_time_budget"] = cut
         clock.cut.append(f"combine thresholds: {len(cut)} candidate(s) not compiled "

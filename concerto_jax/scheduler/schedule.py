@@ -40,7 +40,10 @@ class ScheduleOptions:
 
     full_model_max_tasks: int = 400  # solve the whole graph with CP-SAT up to this size
     full_model_time_limit_s: float = 5.0  # wall limit of the whole-graph solve
-    full_model_deterministic_time: float | None = 20.0  # its deterministic-time limit
+    # Its deterministic-time limit: what stops it, so that a plan does not depend on the
+    # machine's load (2.0: the plans of five held-out modules (TP, DP x TP, FSDP steps) equal to or
+    # within 0.06 % of those at 20.0, in a third to half the time; docs/DECISIONS.md D47).
+    full_model_deterministic_time: float | None = 2.0
     num_workers: int = 1  # CP-SAT workers for the whole-graph solve (1: reproducible)
     seed: int = 0  # CP-SAT seed
     # Peak live bytes allowed (the memory model of ``checker.peak_memory``). None: the
