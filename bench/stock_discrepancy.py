@@ -327,8 +327,9 @@ def write(rows: list[dict], legend: dict, meta: dict, out: str, command: str) ->
     lines = [
         "# Stock XLA's TP program: our simulator against an independent model's assumptions (simulated)\n",
         f"Command: `{command}`; jax {jax.__version__}, commit {meta.get('commit', _commit())}; "
-        f"compile_for_target {meta.get('compile_s', '?')} s (stock {meta.get('stock_step_us')} us, "
-        f"ours {meta.get('final_step_us')} us as it judged them).\n",
+        f"compile_for_target {meta.get('compile_s', '?')} s wall (seconds: the default plan cache answered "
+        f"an earlier compile of the same step); stock {meta.get('stock_step_us')} us, ours "
+        f"{meta.get('final_step_us')} us as it judged them.\n",
         f"Step: {_config_line()}.\n",
         " ".join((__doc__ or "").split("\n\n")[0].split()) + "\n",
         f"The independent model on its own step: stock {ind['stock_us']:,.0f} us, ours {ind['ours_us']:,.0f} us; "
