@@ -82,7 +82,7 @@ def test_sync_all_reduce_as_kernel_changes_only_plain_all_reduces():
 
 def test_ladder_of_a_module_against_itself():
     text = open(_FINAL).read()
-    rows, legend = ladder(text, text, "h100_sxm_8")
+    rows, legend = ladder({"stock": text, "ours": text}, "h100_sxm_8")
     assert len(rows) == 1 + 2 * len(LADDER) + len(DIAGNOSTICS)
     assert {r["gain"] for r in rows} == {1.0}
     # the nominal rung is the judge every bench uses
