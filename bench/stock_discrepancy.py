@@ -234,7 +234,7 @@ def price(module, cm: CostModel, slowdown: float, transforms: Sequence[Transform
 def top_moves(before: Priced, after: Priced, k: int = 5) -> str:
     delta = collections.Counter({n: after.share.get(n, 0.0) - before.share.get(n, 0.0)
                                  for n in set(before.share) | set(after.share)})
-    moved = sorted(((n, d) for n, d in delta.items() if abs(d) >= 0.05), key=lambda nd: -abs(nd[1]))[:k]
+    moved = sorted(((n, d) for n, d in delta.items() if abs(d) >= 0.05), key=lambda nd: (-round(abs(nd[1]), 1), nd[0]))[:k]
     return "; ".join(f"{n} {d:+.1f}" for n, d in moved) or "none"
 
 
