@@ -307,11 +307,11 @@ def compile_modules() -> tuple[dict[str, str], dict]:
     """XLA's final modules of the step: stock, ours (``compile_for_target``, passes decompose +
     schedule, the defaults otherwise) and ours under the nominal rule alone (``robust=()``)."""
     import concerto_jax
-    from bench.decompose_bench import _case_step
+    from bench.baseline import model_case
     from bench.suite import get_case
 
     case = dataclasses.replace(get_case(CASE), overrides=OVERRIDES)
-    c, _ = _case_step(case)
+    c, _, _ = model_case(case)
     texts, meta = {}, {"cluster": case.cluster}
     for program, deviceless in (("ours", concerto_jax.DevicelessOptions()),
                                 ("split", concerto_jax.DevicelessOptions(robust=()))):
