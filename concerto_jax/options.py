@@ -45,13 +45,14 @@ class DevicelessOptions:
     # structure of their own are compiled and planned; the search keeps a real plan only.
     # None: every candidate compiled (the estimates are still recorded beside the plans).
     combine_compiles: int | None = 2
-    # The whole call's time budget in seconds, from the call to the final
-    # compile. Where the optional searches (the combine-threshold candidates, the guard's
-    # search of the original program, the replicated-only alternative) would not fit in what
-    # is left, they are not run; the best plan found so far is kept (never one slower than
-    # stock: the final-module guard still decides) and the records say what was cut
-    # (TargetResult.cut). "auto": deviceless.budget.AUTO_BUDGET_FACTOR x stock XLA's compile
-    # of the step, at least AUTO_BUDGET_MIN_S; None: no bound.
+    # The whole call's budget. Where the optional searches (the combine-threshold candidates,
+    # the guard's search of the original program, the replicated-only alternative) would not
+    # fit in what is left, they are not run; the best plan found so far is kept (never one
+    # slower than stock: the final-module guard still decides) and the records say what was
+    # cut (TargetResult.cut). "auto": a count of XLA compiles of the step
+    # (deviceless.budget.AUTO_BUDGET_COMPILES, stock's included), so that the plan depends on
+    # the program alone, not on the machine's speed or load; seconds: wall time from the call
+    # to the final compile (a loaded machine searches less); None: no bound.
     time_budget_s: float | str | None = "auto"
     # The memory the "schedule" pass may plan with. "xla": up to the
     # limit XLA's own GPU scheduler holds itself to on the target ((80 % of the device's

@@ -3,6 +3,7 @@ the backend-only path (our order on XLA's scheduled module, kept by XLA's backen
 
 import dataclasses
 import os
+import time
 
 import pytest
 
@@ -682,6 +683,58 @@ def test_time_budget_cuts_the_search_and_says_so():
     for bad in (0, -1, "fast", True):
         with pytest.raises(ValueError, match="time_budget_s"):
             concerto_jax.Options(deviceless=concerto_jax.DevicelessOptions(time_budget_s=bad))
+
+
+def test_budget_counts_compiles_under_auto():
+    """time_budget_s="auto" counts XLA compiles (stock's included), not seconds: a search stops at
+    the count whatever the machine's load; a rewriting pass's own compiles are not charged; a
+    budget in seconds is wall time."""
+    from concerto_jax.deviceless.budget import (
+        AUTO_BUDGET_COMPILES,
+        PARALLEL_COMPILE_COST,
+        TimeBudget,
+    )
+
+    auto = TimeBudget.start(concerto_jax.Options(), 0.0, stock_compile_s=1e6)
+    assert auto.compiles == AUTO_BUDGET_COMPILES and auto.spent == 1.0  # stock's compile
+    assert auto.fits(AUTO_BUDGET_COMPILES - 1.0) and not auto.fits(AUTO_BUDGET_COMPILES)
+    auto.spend(1, charged=False)  # the rewrite's own program
+    assert auto.spent == 1.0 and auto.uncharged == 1.0
+    auto.spend(1)
+    assert auto.fits(AUTO_BUDGET_COMPILES - 2.0)
+    assert not auto.allows(1 + PARALLEL_COMPILE_COST, "two more side by side")
+    assert auto.cut == ["two more side by side"]
+    assert auto.summary() == {"kind": "compiles", "budget": AUTO_BUDGET_COMPILES, "spent": 2.0,
+                              "uncharged": 1.0}
+    secs = TimeBudget.start(concerto_jax.Options(deviceless=concerto_jax.DevicelessOptions(time_budget_s=100.0)),
+                            time.perf_counter(), stock_compile_s=30.0)
+    assert secs.compiles is None and secs.fits(3) and not secs.fits(4)  # 100 s at 30 s a compile
+    assert secs.fits(9, per_compile_s=10.0) and not secs.fits(11, per_compile_s=10.0)
+    assert TimeBudget.start(concerto_jax.Options(deviceless=concerto_jax.DevicelessOptions(time_budget_s=None)),
+                            0.0, 1.0).fits(1e9)
+
+
+@needs_plugin
+def test_auto_budget_gives_the_same_plan_and_stops_at_its_count():
+    # The default budget: stock's compile, the smallest size's and one estimated candidate's at
+    # most, whatever the time they take; two calls search the same candidates and keep the
+    # same plan.
+    from concerto_jax.deviceless.budget import AUTO_BUDGET_COMPILES
+
+    step, args = _dp_mlp(layers=4, fsdp=True)
+    opts = concerto_jax.Options(passes=("schedule",), fallback=False, cache_dir=None,
+                                deviceless=concerto_jax.DevicelessOptions(
+                                    robust=(), combine_thresholds=(1, 2 << 20, 8 << 20, 64 << 20)))
+    recs = []
+    for _ in range(2):
+        res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=opts)
+        recs.append((res, next(p for p in res.passes if p.name == "combine_thresholds").stats))
+    (res, rec), (res2, rec2) = recs
+    assert rec["budget"]["kind"] == "compiles", rec["budget"]
+    assert rec["budget"]["spent"] <= AUTO_BUDGET_COMPILES + 1e-9
+    assert 1 + rec["compiled"] <= AUTO_BUDGET_COMPILES  # stock's and the search's, each charged
+    assert rec["candidates"] == rec2["candidates"] and rec["chosen"] == rec2["chosen"]
+    assert res.planned_step_us == res2.planned_step_us
 
 
 def test_xla_scheduler_memory_limit_formula():

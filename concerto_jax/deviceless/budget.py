@@ -1,4 +1,15 @@
-"""The time budget of one ``compile_for_target`` call (``Options.deviceless.time_budget_s``)."""
+"""The time budget of one ``compile_for_target`` call (``Options.deviceless.time_budget_s``).
+
+Two kinds of budget, one interface (``fits`` / ``allows`` / ``spend``):
+
+* ``"auto"`` (the default) counts XLA compiles, not seconds: the call may run
+  ``AUTO_BUDGET_COMPILES`` compiles of the step (stock's included; a batch of compiles side by
+  side counts as ``PARALLEL_COMPILE_COST`` each beyond the first), so what it searches depends
+  on the program alone, never on the machine's speed or load: the same step gives the same plan
+  on every run (D47). Its wall time is then about that many compiles plus the plans.
+* seconds (a number): wall time from the call; what fits depends on how long the compiles so
+  far took, so on a loaded machine less is searched.
+"""
 
 from __future__ import annotations
 
@@ -8,43 +19,87 @@ import time
 
 log = logging.getLogger(__name__)
 
-AUTO_BUDGET_FACTOR = 5.0
-"""``Options.deviceless.time_budget_s="auto"``: the budget is this many times stock XLA's compile of the step
-(the compile-time goal: a first compile within 3x stock's, none above 5x)."""
+AUTO_BUDGET_COMPILES = 3.0
+"""``Options.deviceless.time_budget_s="auto"``: the XLA compiles of the step one call may run,
+stock's included: stock's, the combine-threshold search's smallest size and its best-estimated
+candidate (the compile-time goal: a first compile within 3x stock XLA's, which compiles once
+and autotunes; our compiles do not autotune, D39, and share one kernel cache, D40). The
+compiles a rewriting pass's own program needs (its compile, the rotation guard's) are not
+charged: the search of the program without the rewrite gets what "schedule" alone gets."""
 
-
-AUTO_BUDGET_MIN_S = 60.0
-"""... and never below this (a small step's compile is seconds; its search is too)."""
+PARALLEL_COMPILE_COST = 0.6
+"""Compiles run side by side (threads; XLA's compile releases the GIL): each one beyond the
+first costs this fraction of one compile (two compiles of the held-out DP x TP step on 2 cores:
+33 s side by side, 43 s one after the other)."""
 
 
 @dataclasses.dataclass
 class TimeBudget:
     """What is left of ``Options.deviceless.time_budget_s`` in one ``compile_for_target`` call, and what the
-    budget cut (``TargetResult.cut``)."""
+    budget cut (``TargetResult.cut``).
 
-    deadline: float | None = None  # time.perf_counter(); None: no bound
-    compile_s: float = 0.0  # stock XLA's compile of the step: what one more compile may take
+    Attributes:
+      deadline: ``time.perf_counter()`` at which a budget in seconds ends (None: none).
+      compile_s: stock XLA's compile of the step: what one more compile is expected to take
+        before any other was timed.
+      compiles: the compile budget of ``"auto"`` (None: a budget in seconds, or none).
+      spent: compiles charged so far (stock's included).
+      uncharged: compiles run but not charged (a rewriting pass's own program).
+      cut: what the budget left out, one line each.
+    """
+
+    deadline: float | None = None
+    compile_s: float = 0.0
+    compiles: float | None = None
+    spent: float = 0.0
+    uncharged: float = 0.0
     cut: list = dataclasses.field(default_factory=list)
 
     @classmethod
     def start(cls, options, t0: float, stock_compile_s: float) -> TimeBudget:
-        """The budget of a call that began at ``t0`` (``time.perf_counter()``)."""
+        """The budget of a call that began at ``t0`` (``time.perf_counter()``), stock's compile
+        (``stock_compile_s``) done."""
         b = options.deviceless.time_budget_s
         if b is None:
-            return cls(compile_s=stock_compile_s)
+            return cls(compile_s=stock_compile_s, spent=1.0)
         if b == "auto":
-            b = max(AUTO_BUDGET_MIN_S, AUTO_BUDGET_FACTOR * stock_compile_s)
-        return cls(t0 + float(b), stock_compile_s)
+            return cls(compile_s=stock_compile_s, compiles=AUTO_BUDGET_COMPILES, spent=1.0)
+        return cls(t0 + float(b), stock_compile_s, spent=1.0)
 
     def left(self) -> float:
-        """Seconds left (inf without a bound)."""
+        """Seconds left of a budget in seconds (inf otherwise)."""
         return float("inf") if self.deadline is None else self.deadline - time.perf_counter()
 
-    def allows(self, seconds: float, what: str) -> bool:
-        """Whether a step expected to take ``seconds`` fits; if not, ``what`` is recorded as cut."""
-        if self.left() >= seconds:
+    def fits(self, compiles: float, per_compile_s: float | None = None) -> bool:
+        """Whether ``compiles`` more compiles fit: counted against ``compiles`` ("auto"), or, for a
+        budget in seconds, timed at ``per_compile_s`` each (default: stock's compile)."""
+        if self.compiles is not None:
+            return self.spent + compiles <= self.compiles + 1e-9
+        return self.left() >= compiles * (self.compile_s if per_compile_s is None else per_compile_s)
+
+    def allows(self, compiles: float, what: str, per_compile_s: float | None = None) -> bool:
+        """``fits``; if not, ``what`` is recorded as cut."""
+        if self.fits(compiles, per_compile_s):
             return True
         self.cut.append(what)
-        log.info("compile_for_target: time budget: %s (%.0f s left, about %.0f s needed)", what,
-                 max(self.left(), 0.0), seconds)
+        if self.compiles is not None:
+            log.info("compile_for_target: compile budget: %s (%.1f of %.1f compiles spent)", what,
+                     self.spent, self.compiles)
+        else:
+            log.info("compile_for_target: time budget: %s (%.0f s left)", what, max(self.left(), 0.0))
         return False
+
+    def spend(self, compiles: float = 1.0, charged: bool = True) -> None:
+        """Record ``compiles`` compiles run (``charged=False``: a rewriting pass's own program)."""
+        if charged:
+            self.spent += compiles
+        else:
+            self.uncharged += compiles
+
+    def summary(self) -> dict:
+        """What the record says of the budget."""
+        if self.compiles is not None:
+            return {"kind": "compiles", "budget": self.compiles, "spent": round(self.spent, 2),
+                    "uncharged": self.uncharged}
+        return {"kind": "seconds" if self.deadline is not None else "none", "spent": round(self.spent, 2),
+                "uncharged": self.uncharged}

@@ -12,7 +12,7 @@ import time
 
 from concerto_jax.autoccl.knobs import gpu_combine_threshold_options
 from concerto_jax.deviceless import planning
-from concerto_jax.deviceless.budget import TimeBudget
+from concerto_jax.deviceless.budget import PARALLEL_COMPILE_COST, TimeBudget
 from concerto_jax.deviceless.planning import Plan
 from concerto_jax.deviceless.thresholds import COMBINED_KINDS, CombineProxy
 from concerto_jax.report import PassRecord
@@ -67,13 +67,6 @@ def collectives_by_kind(text: str, combined: dict | None = None) -> tuple[dict[s
                 if combined is not None and _is_combined(inst, op):
                     combined[kind] = combined.get(kind, 0) + 1
     return nbytes, {k: tuple(sorted(v)) for k, v in shapes.items()}
-
-
-PARALLEL_COMPILE_COST = 0.6
-"""The threshold search compiles its estimated candidates side by side (threads; XLA's compile
-releases the GIL): each candidate beyond the first adds this fraction of one compile to the
-batch's wall time where the time budget decides how many fit (two compiles of the held-out
-DP x TP step on 2 cores: 33 s side by side, 43 s one after the other)."""
 
 
 ROBUST_COMBINE_CHECKS = 3
@@ -172,7 +165,8 @@ def tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: flo
     ``estimated_us``), and with ``options.deviceless.combine_compiles`` only that many of the
     best-estimated ones are compiled (instead of stages 1 and 2). With a ``clock``
     (``TimeBudget``), a candidate whose compile (as long as the slowest so far, or stock's)
-    does not fit in what is left is not compiled (``cut_by_time_budget``).
+    does not fit in what is left is not compiled (``cut_by_time_budget``); with the "auto"
+    budget (a count of compiles) every compile is charged to it.
 
     With an ``envelope`` and the ``current_plan`` (a ``Plan``), the candidates that
     plan faster than the current plan are checked fastest first (at most
@@ -217,12 +211,18 @@ def tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: flo
         entry = {"thresholds": dict(key)}
         if key in estimates:
             entry["estimated_us"] = round(estimates[key], 1)
-        if compiled is None and clock is not None and clock.left() < max(durations, default=clock.compile_s):
+        if (compiled is None and clock is not None
+                and not clock.fits(1, per_compile_s=max(durations, default=clock.compile_s))):
             cut.append(dict(key))
             return None
         t_attempt = time.perf_counter()
         try:
-            src, compile_options = compile_at(setting) if compiled is None else compiled.result()
+            if compiled is None:
+                if clock is not None:
+                    clock.spend(1)
+                src, compile_options = compile_at(setting)
+            else:
+                src, compile_options = compiled.result()
             if src is None:
                 raise RuntimeError("XLA wrote no scheduled module")
             plan = planning.plan_on(src, options, cost_model, {}, budget)
@@ -285,8 +285,10 @@ def tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: flo
         fits = len(batch)
         if clock is not None:  # as many as fit, compiled side by side (PARALLEL_COMPILE_COST)
             one = max(durations, default=clock.compile_s)
-            while fits and clock.left() < one * (1 + PARALLEL_COMPILE_COST * (fits - 1)):
+            while fits and not clock.fits(1 + PARALLEL_COMPILE_COST * (fits - 1), per_compile_s=one):
                 fits -= 1
+            if fits:
+                clock.spend(1 + PARALLEL_COMPILE_COST * (fits - 1))
         workers = max(1, min(fits, os.cpu_count() or 1))
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="threshold-compile") as pool:
             futures = [pool.submit(compile_at, c) for c in batch[:fits]]

@@ -392,9 +392,11 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, *, env: di
             # XLA's pipeline up to (and through) its scheduler on OUR program.
             _, _, dt, scheduled_src = compile_replicated_for_target(pre.text, devices, env, after_lhs=True)
             seconds["xla_passes_compile"] = dt
+            if clock is not None:  # the rewrite's own program: not charged (budget.AUTO_BUDGET_COMPILES)
+                clock.spend(1, charged=False)
             pre, scheduled_src, planned = rewrite_guard.rotation_guard(
                 pre, pre_opts, inputs, scheduled_src, stock.post_spmd_text, devices, env, options, cost_model,
-                seconds, budget, envelope=envelope, stock_final=stock.final_text)
+                seconds, budget, envelope=envelope, stock_final=stock.final_text, clock=clock)
             opts = replicated_compile_options(devices)
             if env:
                 opts.env_option_overrides = list(env.items())
@@ -503,8 +505,10 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, *, env: di
             retry = rewrite_guard.fallback_retry(records)
             without = f"without_{retry[1].label}" if retry is not None else ""
             if (retry is not None
-                    and (clock is None or clock.allows(clock.compile_s, f"the rewrite {without.replace('_', ' ')}"
+                    and (clock is None or clock.allows(1, f"the rewrite {without.replace('_', ' ')}"
                                                        " (its fallback): not compiled"))):
+                if clock is not None:
+                    clock.spend(1)
                 t0 = time.perf_counter()
                 alt = rewrite_guard.with_fallback(pre_opts, inputs, stock.post_spmd_text, options, cost_model,
                                                   budget, scheduled_at_program, tuned if tune else None,
@@ -530,6 +534,8 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, *, env: di
             compile_options)
         seconds["combine_thresholds"] = time.perf_counter() - t0
     if tuned_record is not None:
+        if clock is not None:
+            tuned_record = dataclasses.replace(tuned_record, stats={**tuned_record.stats, "budget": clock.summary()})
         records.append(tuned_record)
     _dump(options.dump_dir, "xla_scheduled.hlo", scheduled_src)
     if plan.record is not None:

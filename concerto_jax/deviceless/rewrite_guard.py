@@ -106,7 +106,8 @@ def with_fallback(pre_opts, inputs: PassInputs, post_spmd: str, options, cost_mo
 
 
 def rotation_guard(pre, pre_opts, inputs: PassInputs, scheduled_src: str, post_spmd: str, devices, env, options,
-                   cost_model, seconds: dict, budget, envelope=None, stock_final: str | None = None):
+                   cost_model, seconds: dict, budget, envelope=None, stock_final: str | None = None,
+                   clock=None):
     """Keep each part of a rewrite that a pass offers as a ``"leave_one_out"`` retry (decompose:
     each loop rotation) only where XLA's module of the program plans faster with it:
     ``(pipeline result, XLA's scheduled module, its plan or None)``.
@@ -121,7 +122,8 @@ def rotation_guard(pre, pre_opts, inputs: PassInputs, scheduled_src: str, post_s
     ``envelope`` (``Options.deviceless.robust``), each comparison keeps the program with the rotation
     only where its worst-case gain over stock XLA's final module ``stock_final`` across the
     plausible cost models is at least the other's (maximin, as the rewrite guard;
-    ``rotation_guard["robust"]`` holds each verdict).
+    ``rotation_guard["robust"]`` holds each verdict). ``clock`` (``budget.TimeBudget``) records
+    its compiles, uncharged.
     """
     retries = [(r.name, retry) for r in pre.passes for retry in r.retries if retry.kind == "leave_one_out"]
     if not retries:
@@ -135,6 +137,8 @@ def rotation_guard(pre, pre_opts, inputs: PassInputs, scheduled_src: str, post_s
         body = retry.label
         alt = pipeline.run(post_spmd, retry.applied(pre_opts, name), inputs)
         _, _, _, src = compile_replicated_for_target(alt.text, devices, env, after_lhs=True)
+        if clock is not None:  # part of the rewrite's own exploration: not charged
+            clock.spend(1, charged=False)
         plan = planning.plan_on(src, options, cost_model, {}, budget)
         us = plan.judged.us
         tried[f"without {body}"] = round(us, 1)
