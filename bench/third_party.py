@@ -60,6 +60,8 @@ CASES: dict[str, tuple[str, str, dict]] = {
                                                                           "scan": True}),
     "hf gpt2 fsdp2 x tp4": ("hf", "target", {}),
     "hf gpt2 fsdp2 x tp4, 8 CPU devices": ("hf", "optimize", {}),
+    "penzai llama-like fsdp2 x tp4": ("penzai", "target", {}),
+    "penzai llama-like fsdp2 x tp4, 8 CPU devices": ("penzai", "optimize", {}),
 }
 
 COLUMNS = ("case", "trainer", "entry", "status", "stock_us", "ours_us", "gain", "worst_gain", "worst_variant",
@@ -303,6 +305,162 @@ def _maxtext_optimize(settings: dict, steps: int = 2) -> dict:
             "fallback": rep.fallback_reason or "", "model": desc + " (CPU)"}
 
 
+# -- Penzai ------------------------------------------------------------------------------
+# Penzai's named axes -> mesh axes: FSDP over "data" (the residual stream's axis), TP over "model"
+PENZAI_SHARDING = {"embedding": "data", "mlp": "model", "heads": "model", "head_groups": "model",
+                   "vocabulary": "model"}
+
+
+def _penzai_loss(*, model, state, rng, tokens):
+    """Next-token cross-entropy in Penzai's ``LossFunction`` form (one function: a static arg)."""
+    import jax
+    import jax.numpy as jnp
+
+    logits = model(tokens).unwrap("batch", "seq", "vocabulary").astype(jnp.float32)
+    targets = jnp.roll(tokens.unwrap("batch", "seq"), -1, axis=1)
+    log_probs = jax.nn.log_softmax(logits)
+    loss = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1).mean()
+    return loss, state, {"loss": loss}
+
+
+def penzai_parts(emb: int, layers: int, vocab: int = VOCAB, heads: int | None = None, mlp: int | None = None):
+    """``(build_trainer(mesh or None), call_kwargs(trainer, tokens), description)`` of Penzai's own
+    step: ``basic_training.StatefulTrainer`` (``jax.jit`` of ``_stateful_trainer_step``, static
+    ``loss_fn`` / ``optimizer_def``, donated states, a typed ``root_rng`` key folded per step) on
+    ``build_llamalike_transformer`` (swiglu MLP, untied embeddings, f32 params, bf16
+    activations, unstacked blocks: ``use_layer_stack=True`` with bf16 activations fails inside
+    Penzai 0.2.5), AdamW. ``build_trainer(mesh)`` puts the parameters on ``mesh`` sharded by
+    ``PENZAI_SHARDING``; ``call_kwargs`` gives the step's keyword arguments exactly as
+    ``StatefulTrainer.step`` passes them."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from penzai import pz
+    from penzai.models.transformer.variants import llamalike_common
+    from penzai.toolshed import basic_training, sharding_util
+
+    heads = heads or max(8, emb // 128)
+    config = llamalike_common.LlamalikeTransformerConfig(
+        num_kv_heads=heads, query_head_multiplier=1, embedding_dim=emb, projection_dim=emb // heads,
+        mlp_hidden_dim=mlp or 4 * emb, num_decoder_blocks=layers, vocab_size=vocab, mlp_variant="swiglu",
+        tie_embedder_and_logits=False, parameter_dtype=jnp.float32, activation_dtype=jnp.bfloat16,
+        use_layer_stack=False)
+
+    def build_trainer(mesh=None):
+        model = llamalike_common.build_llamalike_transformer(config, init_base_rng=jax.random.key(0))
+        if mesh is not None:
+            for var in pz.unbind_params(model)[1]:
+                var.value = sharding_util.name_to_name_device_put(var.value, mesh, PENZAI_SHARDING)
+        return basic_training.StatefulTrainer.build(
+            root_rng=jax.random.key(42), model=model, optimizer_def=optax.adamw(1e-3),
+            loss_fn=_penzai_loss, donate_states=True)
+
+    def call_kwargs(trainer, tokens) -> dict:  # StatefulTrainer.step's call, its variables frozen
+        stateless_model, variables = pz.unbind_variables(trainer.model)
+        trainable = [v for v in variables if isinstance(v, pz.Parameter) and v.metadata.get("trainable", True)]
+        frozen = [v for v in variables if isinstance(v, pz.Parameter) and not v.metadata.get("trainable", True)]
+        states = [v for v in variables if isinstance(v, pz.StateVariable)]
+        return {"root_rng": trainer.root_rng, "state": trainer.state.value, "stateless_model": stateless_model,
+                "trainable_params": pz.freeze_variables(tuple(trainable)),
+                "frozen_params": pz.freeze_variables(tuple(frozen)),
+                "state_vars": pz.freeze_variables(tuple(states)),
+                "loss_fn": trainer.loss_fn, "optimizer_def": trainer.optimizer_def, "kwargs": {"tokens": tokens}}
+
+    import importlib.metadata
+    desc = (f"Penzai {importlib.metadata.version('penzai')} llamalike d{emb} L{layers} heads{heads} "
+            f"mlp{mlp or 4 * emb} vocab{vocab}, f32 params, bf16 activations, AdamW")
+    return build_trainer, call_kwargs, desc
+
+
+def penzai_tokens(batch: int, seq: int, vocab: int, mesh):
+    """Synthetic tokens as a ``NamedArray`` ("batch", "seq"), the batch over ``data``."""
+    import jax.numpy as jnp
+    import numpy as np
+    from penzai import pz
+    from penzai.toolshed import sharding_util
+
+    tokens = np.random.default_rng(0).integers(0, vocab, (batch, seq))
+    tokens = pz.nx.wrap(jnp.asarray(tokens, jnp.int32)).tag("batch", "seq")
+    return sharding_util.name_to_name_device_put(tokens, mesh, {"batch": "data"})
+
+
+def _penzai_target(emb: int, layers: int, seq: int):
+    """Penzai's jitted step and abstract keyword arguments (``jax.eval_shape`` of the trainer's
+    construction: nothing is materialised) sharded over the target's deviceless 2 x 4 mesh."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from penzai import pz
+    from penzai.toolshed import sharding_util
+
+    import concerto_jax
+
+    build_trainer, call_kwargs, desc = penzai_parts(emb, layers)
+    mesh = concerto_jax.target_mesh(TARGET, (2, 4), ("data", "model"))
+    static = {}
+
+    def arrays():
+        trainer = build_trainer()
+        kwargs = call_kwargs(trainer, pz.nx.wrap(jnp.zeros((8, seq), jnp.int32)).tag("batch", "seq"))
+        static.update(step=trainer.step_fn, loss_fn=kwargs.pop("loss_fn"),
+                      optimizer_def=kwargs.pop("optimizer_def"))
+        return kwargs
+
+    shapes = jax.eval_shape(arrays)
+    names = {**PENZAI_SHARDING, "batch": "data"}
+    abstract = sharding_util.name_to_name_sharding(shapes, mesh, names, ignore_unnamed_arrays=True,
+                                                   as_shape_dtype_struct=True)
+    repl = NamedSharding(mesh, P())  # the unnamed leaves (step counter, AdamW's count, the key)
+    abstract = jax.tree.map(lambda a, s: a if a.sharding is not None else jax.ShapeDtypeStruct(
+        s.shape, s.dtype, sharding=repl, weak_type=s.weak_type), abstract, shapes)
+    kwargs = {**abstract, "loss_fn": static["loss_fn"], "optimizer_def": static["optimizer_def"]}
+    return static["step"], (), kwargs, None, f"{desc}, seq{seq} batch 8, mesh (data 2, model 4)"
+
+
+def _penzai_optimize(steps: int = 3) -> dict:
+    """Penzai's step (small) on 8 CPU devices through ``optimize`` vs the plain jitted step: two
+    fresh trainers from the same initialisation, the params and the trainer's state compared."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+    from penzai import pz
+
+    import concerto_jax
+
+    build_trainer, call_kwargs, desc = penzai_parts(256, 2)
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    tokens = penzai_tokens(8, 128, VOCAB, mesh)
+
+    def bits(x):
+        x = jax.random.key_data(x) if jax.numpy.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+        return np.atleast_1d(np.asarray(x)).view(np.uint8)
+
+    def run(wrap):
+        trainer = build_trainer(mesh)
+        trainer = dataclasses.replace(trainer, step_fn=wrap(trainer.step_fn))
+        losses = [float(trainer.step(tokens=tokens)["loss"]) for _ in range(steps)]
+        params = pz.freeze_variables(tuple(pz.unbind_params(trainer.model)[1]))
+        return losses, [bits(x) for x in jax.tree.leaves((params, trainer.state.value))], trainer.step_fn
+
+    ref_losses, ref, _ = run(lambda s: s)
+    t0 = time.perf_counter()
+    losses, got, opt = run(lambda s: concerto_jax.optimize(s, concerto_jax.Options(passes=PASSES)))
+    wall = time.perf_counter() - t0
+    same = (losses == ref_losses and len(got) == len(ref)
+            and all(np.array_equal(a, b) for a, b in zip(got, ref, strict=True)))
+    rep = opt.report()
+    kept = [r.name for r in rep.passes if r.changed]
+    tolerance = max((r.tolerance for r in rep.passes if r.changed), default=0.0)
+    status = ("ok" if rep.optimized and (same or tolerance > 0) else
+              "DIFFERENT" if rep.optimized else f"fell back to the original step: {(rep.fallback_reason or '')[:160]}")
+    return {"status": status, "first_s": round(wall, 1),
+            "check": (f"bitwise over {steps} steps: {same} (declared tolerance {tolerance:g}); "
+                      f"{rep.first_step_check}; passes kept {kept}; optimized={rep.optimized}"),
+            "fallback": rep.fallback_reason or "", "model": f"{desc}, seq128 batch 8, mesh (data 2, model 4) (CPU)"}
+
+
 # -- one row in a fresh process ------------------------------------------------------------
 def _target_row(build, cluster: str = TARGET) -> dict:
     import contextlib
@@ -347,6 +505,10 @@ def _worker(case: str, emb: int, layers: int, seq: int) -> dict:
         return _maxtext_optimize(settings)
     if trainer == "maxtext":
         return _target_row(lambda: _maxtext_step(settings, emb, layers, seq))
+    if trainer == "penzai" and entry == "optimize":
+        return _penzai_optimize()
+    if trainer == "penzai":
+        return _target_row(lambda: _penzai_target(emb, layers, seq))
     if entry == "optimize":
         return _hf_optimize()
     return _target_row(lambda: _hf_target(emb, layers, seq))
@@ -356,7 +518,7 @@ def _installed(trainer: str) -> str | None:
     """None if the trainer's package imports, else why not."""
     import importlib.util
 
-    module = {"maxtext": "maxtext", "hf": "transformers"}[trainer]
+    module = {"maxtext": "maxtext", "hf": "transformers", "penzai": "penzai"}[trainer]
     if importlib.util.find_spec(module) is None:
         return f"skipped: {module} is not installed (pip install -e '.[third-party]')"
     if trainer == "hf":
@@ -412,7 +574,7 @@ def write(rows: list[dict], out: str, command: str, elapsed: float) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--trainer", action="append", choices=("maxtext", "hf"))
+    parser.add_argument("--trainer", action="append", choices=("maxtext", "hf", "penzai"))
     parser.add_argument("--case", action="append", choices=sorted(CASES))
     parser.add_argument("--emb", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=4)
