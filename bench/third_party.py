@@ -1,8 +1,9 @@
-"""Third-party trainers' own train steps through the public API: MaxText and Hugging Face Flax.
+"""Third-party trainers' own train steps through the public API: MaxText, Hugging Face Flax, Penzai.
 
-    pip install -e ".[third-party]"        # MaxText 0.2.5, transformers 4.57.6 (Flax classes)
-    python -m bench.third_party [--trainer maxtext --trainer hf] [--emb 2048] [--layers 4]
-                                [--seq 2048] [--out bench/results/jax-<version>]
+    pip install -e ".[third-party]"        # MaxText 0.2.5, transformers 4.57.6 (Flax classes), Penzai 0.2.5
+    python -m bench.third_party [--trainer maxtext --trainer hf --trainer penzai] [--emb 2048]
+                                [--layers 4] [--seq 2048] [--out bench/results/jax-<version>]
+                                [--merge CSV]
 
 Each row builds a trainer's step the way the trainer itself does and compiles it for 8x H100
 SXM without a GPU (``compile_for_target``, ``Options(passes=("decompose", "schedule"))``,
@@ -24,8 +25,18 @@ cached one. Stock XLA and ours are XLA's final modules, judged by one simulator 
   moments sharded FSDP x TP (2 x 4). Its ``optimize`` row runs it on 8 CPU devices for three
   steps against the plain jitted step.
 
+* ``penzai``: Penzai 0.2.5's own step (``basic_training.StatefulTrainer``: its ``jax.jit`` of
+  ``_stateful_trainer_step``, called as ``StatefulTrainer.step`` calls it) on
+  ``build_llamalike_transformer`` (swiglu, f32 params, bf16 activations, unstacked blocks), AdamW,
+  named axes sharded FSDP x TP (2 x 4); abstract arguments from ``jax.eval_shape`` of the
+  trainer's construction. Its ``optimize`` row runs it on 8 CPU devices for three steps against
+  the plain jitted step (``python -m bench.third_party_penzai``: the same builder, tiny, identity
+  and forced recompile).
+
 A trainer whose package is not installed gives a row that says so. Writes
-``third_party.csv`` / ``.md`` under ``--out``.
+``third_party.csv`` / ``.md`` under ``--out``; ``--merge CSV`` keeps an earlier table's rows for
+the cases not run (e.g. ``--trainer penzai --merge bench/results/jax-<version>/third_party.csv``),
+and the ``.md`` says which rows come from which run.
 """
 
 from __future__ import annotations
@@ -552,7 +563,53 @@ def run_case(case: str, emb: int, layers: int, seq: int, timeout_s: float) -> di
     return {**row, **json.loads(lines[-1][4:])}
 
 
-def write(rows: list[dict], out: str, command: str, elapsed: float) -> None:
+def _commit() -> str:
+    """This checkout's short commit (``+dirty`` with uncommitted changes), or "?"."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+    return head + ("+dirty" if dirty else "")
+
+
+def read_table(path: str) -> tuple[dict[str, dict], str]:
+    """An earlier ``third_party.csv``'s rows by case, and its ``.md``'s "Command:" line ("" if none)."""
+    with open(path, newline="") as f:
+        rows = {r["case"]: r for r in csv.DictReader(f)}
+    md = os.path.splitext(path)[0] + ".md"
+    header = ""
+    if os.path.exists(md):
+        with open(md) as f:
+            header = next((ln.strip() for ln in f if ln.startswith("Command:")), "")
+    return rows, header
+
+
+def merge(rows: list[dict], earlier: tuple[dict[str, dict], str], path: str) -> tuple[list[dict], list[str]]:
+    """``rows`` with the rows of an earlier table (``read_table(path)``) for the cases they do not
+    cover, in ``CASES`` order (cases no longer in ``CASES`` last), and the lines of the table's
+    header that say which rows come from which run (the earlier table's header quoted)."""
+    before, header = earlier
+    ours = {r["case"]: r for r in rows}
+    kept = {c: r for c, r in before.items() if c not in ours}
+    order = [c for c in CASES if c in ours or c in kept] + [c for c in kept if c not in CASES]
+    merged = [ours.get(c) or kept[c] for c in order]
+
+    def names(cases) -> str:
+        return "; ".join(f"`{c}`" for c in cases) or "(none)"
+
+    notes = [f"Rows from this run (above): {names(ours)}.",
+             f"Rows kept from `{path}` as it stood before this run, not re-run: {names(kept)}. "
+             f"Its header: {header or '(no .md next to it)'}"]
+    return merged, notes
+
+
+def write(rows: list[dict], out: str, command: str, elapsed: float, notes: list[str] = ()) -> None:
+    import datetime
+
     import jax
 
     os.makedirs(out, exist_ok=True)
@@ -561,11 +618,13 @@ def write(rows: list[dict], out: str, command: str, elapsed: float) -> None:
         w.writeheader()
         w.writerows(rows)
     from bench.robust_columns import legend
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     lines = ["# Third-party trainers' steps: stock XLA vs ours", "",
-             f"Command: `{command}`; {elapsed:.0f} s; jax {jax.__version__}; {os.cpu_count()} CPU cores. "
-             "Step times simulated (XLA's final modules, our cost model), not measured on a GPU; "
-             "compile wall times measured on this machine.", "",
-             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+             f"Command: `{command}`; {elapsed:.0f} s; jax {jax.__version__}; commit {_commit()}; {date}; "
+             f"{os.cpu_count()} CPU cores. Step times simulated (XLA's final modules, our cost model), "
+             "not measured on a GPU; compile wall times measured on this machine.", ""]
+    lines += [n + "\n" for n in notes]
+    lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(str(r.get(c, "")).replace("|", "/") for c in COLUMNS) + " |" for r in rows]
     lines += ["", legend()]
     with open(os.path.join(out, "third_party.md"), "w") as f:
@@ -581,6 +640,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per row")
     parser.add_argument("--out", default=None, help="default: bench/results/jax-<version>")
+    parser.add_argument("--merge", metavar="CSV", help="an earlier third_party.csv whose rows for the cases "
+                        "not run here go into the table too (said so in the .md)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -594,6 +655,7 @@ def main(argv=None) -> int:
     out = args.out or os.path.join("bench", "results", f"jax-{jax.__version__}")
     cases = [c for c in CASES if (not args.trainer or CASES[c][0] in args.trainer)
              and (not args.case or c in args.case)]
+    earlier = read_table(args.merge) if args.merge else None  # once: --out may be its folder
     t0 = time.perf_counter()
     rows = []
     for i, case in enumerate(cases):
@@ -601,8 +663,9 @@ def main(argv=None) -> int:
         rows.append(run_case(case, args.emb, args.layers, args.seq, args.timeout))
         log.info("[%d/%d] %s: %s", i + 1, len(cases), case,
                  {k: rows[-1].get(k) for k in ("status", "gain", "worst_gain", "first_over_stock")})
-        write(rows, out, "python -m bench.third_party " + " ".join(argv if argv is not None else sys.argv[1:]),
-              time.perf_counter() - t0)
+        table, notes = merge(rows, earlier, args.merge) if args.merge else (rows, [])
+        write(table, out, "python -m bench.third_party " + " ".join(argv if argv is not None else sys.argv[1:]),
+              time.perf_counter() - t0, notes)
     return 0 if all(r["status"] == "ok" or r["status"].startswith(("skipped", "fell back")) for r in rows) else 1
 
 
