@@ -429,7 +429,7 @@ def _penzai_target(emb: int, layers: int, seq: int):
     return static["step"], (), kwargs, None, f"{desc}, seq{seq} batch 8, mesh (data 2, model 4)"
 
 
-def _penzai_optimize(steps: int = 3) -> dict:
+def _penzai_optimize(steps: int = 3, seq: int = 128) -> dict:
     """Penzai's step (small) on 8 CPU devices through ``optimize`` vs the plain jitted step: two
     fresh trainers from the same initialisation, the params and the trainer's state compared."""
     import dataclasses
@@ -442,7 +442,7 @@ def _penzai_optimize(steps: int = 3) -> dict:
 
     build_trainer, call_kwargs, desc = penzai_parts(256, 2)
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    tokens = penzai_tokens(8, 128, VOCAB, mesh)
+    tokens = penzai_tokens(8, seq, VOCAB, mesh)
 
     def bits(x):
         x = jax.random.key_data(x) if jax.numpy.issubdtype(x.dtype, jax.dtypes.prng_key) else x
@@ -469,7 +469,7 @@ def _penzai_optimize(steps: int = 3) -> dict:
     return {"status": status, "first_s": round(wall, 1),
             "check": (f"bitwise over {steps} steps: {same} (declared tolerance {tolerance:g}); "
                       f"{rep.first_step_check}; passes kept {kept}; optimized={rep.optimized}"),
-            "fallback": rep.fallback_reason or "", "model": f"{desc}, seq128 batch 8, mesh (data 2, model 4) (CPU)"}
+            "fallback": rep.fallback_reason or "", "model": f"{desc}, seq{seq} batch 8, mesh (data 2, model 4) (CPU)"}
 
 
 # -- one row in a fresh process ------------------------------------------------------------
