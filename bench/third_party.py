@@ -440,7 +440,7 @@ def _penzai_optimize(steps: int = 3, seq: int = 128) -> dict:
 
     import concerto_jax
 
-    build_trainer, call_kwargs, desc = penzai_parts(256, 2)
+    build_trainer, _, desc = penzai_parts(256, 2)
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     tokens = penzai_tokens(8, seq, VOCAB, mesh)
 
