@@ -1,8 +1,9 @@
-"""Third-party trainers' own train steps through the public API: MaxText and Hugging Face Flax.
+"""Third-party trainers' own train steps through the public API: MaxText, Hugging Face Flax, Penzai.
 
-    pip install -e ".[third-party]"        # MaxText 0.2.5, transformers 4.57.6 (Flax classes)
-    python -m bench.third_party [--trainer maxtext --trainer hf] [--emb 2048] [--layers 4]
-                                [--seq 2048] [--out bench/results/jax-<version>]
+    pip install -e ".[third-party]"        # MaxText 0.2.5, transformers 4.57.6 (Flax classes), Penzai 0.2.5
+    python -m bench.third_party [--trainer maxtext --trainer hf --trainer penzai] [--emb 2048]
+                                [--layers 4] [--seq 2048] [--out bench/results/jax-<version>]
+                                [--merge CSV]
 
 Each row builds a trainer's step the way the trainer itself does and compiles it for 8x H100
 SXM without a GPU (``compile_for_target``, ``Options(passes=("decompose", "schedule"))``,
@@ -24,8 +25,18 @@ cached one. Stock XLA and ours are XLA's final modules, judged by one simulator 
   moments sharded FSDP x TP (2 x 4). Its ``optimize`` row runs it on 8 CPU devices for three
   steps against the plain jitted step.
 
+* ``penzai``: Penzai 0.2.5's own step (``basic_training.StatefulTrainer``: its ``jax.jit`` of
+  ``_stateful_trainer_step``, called as ``StatefulTrainer.step`` calls it) on
+  ``build_llamalike_transformer`` (swiglu, f32 params, bf16 activations, unstacked blocks), AdamW,
+  named axes sharded FSDP x TP (2 x 4); abstract arguments from ``jax.eval_shape`` of the
+  trainer's construction. Its ``optimize`` row runs it on 8 CPU devices for three steps against
+  the plain jitted step (``python -m bench.third_party_penzai``: the same builder, tiny, identity
+  and forced recompile).
+
 A trainer whose package is not installed gives a row that says so. Writes
-``third_party.csv`` / ``.md`` under ``--out``.
+``third_party.csv`` / ``.md`` under ``--out``; ``--merge CSV`` keeps an earlier table's rows for
+the cases not run (e.g. ``--trainer penzai --merge bench/results/jax-<version>/third_party.csv``),
+and the ``.md`` says which rows come from which run.
 """
 
 from __future__ import annotations
@@ -60,6 +71,8 @@ CASES: dict[str, tuple[str, str, dict]] = {
                                                                           "scan": True}),
     "hf gpt2 fsdp2 x tp4": ("hf", "target", {}),
     "hf gpt2 fsdp2 x tp4, 8 CPU devices": ("hf", "optimize", {}),
+    "penzai llama-like fsdp2 x tp4": ("penzai", "target", {}),
+    "penzai llama-like fsdp2 x tp4, 8 CPU devices": ("penzai", "optimize", {}),
 }
 
 COLUMNS = ("case", "trainer", "entry", "status", "stock_us", "ours_us", "gain", "worst_gain", "worst_variant",
@@ -303,6 +316,162 @@ def _maxtext_optimize(settings: dict, steps: int = 2) -> dict:
             "fallback": rep.fallback_reason or "", "model": desc + " (CPU)"}
 
 
+# -- Penzai ------------------------------------------------------------------------------
+# Penzai's named axes -> mesh axes: FSDP over "data" (the residual stream's axis), TP over "model"
+PENZAI_SHARDING = {"embedding": "data", "mlp": "model", "heads": "model", "head_groups": "model",
+                   "vocabulary": "model"}
+
+
+def _penzai_loss(*, model, state, rng, tokens):
+    """Next-token cross-entropy in Penzai's ``LossFunction`` form (one function: a static arg)."""
+    import jax
+    import jax.numpy as jnp
+
+    logits = model(tokens).unwrap("batch", "seq", "vocabulary").astype(jnp.float32)
+    targets = jnp.roll(tokens.unwrap("batch", "seq"), -1, axis=1)
+    log_probs = jax.nn.log_softmax(logits)
+    loss = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1).mean()
+    return loss, state, {"loss": loss}
+
+
+def penzai_parts(emb: int, layers: int, vocab: int = VOCAB, heads: int | None = None, mlp: int | None = None):
+    """``(build_trainer(mesh or None), call_kwargs(trainer, tokens), description)`` of Penzai's own
+    step: ``basic_training.StatefulTrainer`` (``jax.jit`` of ``_stateful_trainer_step``, static
+    ``loss_fn`` / ``optimizer_def``, donated states, a typed ``root_rng`` key folded per step) on
+    ``build_llamalike_transformer`` (swiglu MLP, untied embeddings, f32 params, bf16
+    activations, unstacked blocks: ``use_layer_stack=True`` with bf16 activations fails inside
+    Penzai 0.2.5), AdamW. ``build_trainer(mesh)`` puts the parameters on ``mesh`` sharded by
+    ``PENZAI_SHARDING``; ``call_kwargs`` gives the step's keyword arguments exactly as
+    ``StatefulTrainer.step`` passes them."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from penzai import pz
+    from penzai.models.transformer.variants import llamalike_common
+    from penzai.toolshed import basic_training, sharding_util
+
+    heads = heads or max(8, emb // 128)
+    config = llamalike_common.LlamalikeTransformerConfig(
+        num_kv_heads=heads, query_head_multiplier=1, embedding_dim=emb, projection_dim=emb // heads,
+        mlp_hidden_dim=mlp or 4 * emb, num_decoder_blocks=layers, vocab_size=vocab, mlp_variant="swiglu",
+        tie_embedder_and_logits=False, parameter_dtype=jnp.float32, activation_dtype=jnp.bfloat16,
+        use_layer_stack=False)
+
+    def build_trainer(mesh=None):
+        model = llamalike_common.build_llamalike_transformer(config, init_base_rng=jax.random.key(0))
+        if mesh is not None:
+            for var in pz.unbind_params(model)[1]:
+                var.value = sharding_util.name_to_name_device_put(var.value, mesh, PENZAI_SHARDING)
+        return basic_training.StatefulTrainer.build(
+            root_rng=jax.random.key(42), model=model, optimizer_def=optax.adamw(1e-3),
+            loss_fn=_penzai_loss, donate_states=True)
+
+    def call_kwargs(trainer, tokens) -> dict:  # StatefulTrainer.step's call, its variables frozen
+        stateless_model, variables = pz.unbind_variables(trainer.model)
+        trainable = [v for v in variables if isinstance(v, pz.Parameter) and v.metadata.get("trainable", True)]
+        frozen = [v for v in variables if isinstance(v, pz.Parameter) and not v.metadata.get("trainable", True)]
+        states = [v for v in variables if isinstance(v, pz.StateVariable)]
+        return {"root_rng": trainer.root_rng, "state": trainer.state.value, "stateless_model": stateless_model,
+                "trainable_params": pz.freeze_variables(tuple(trainable)),
+                "frozen_params": pz.freeze_variables(tuple(frozen)),
+                "state_vars": pz.freeze_variables(tuple(states)),
+                "loss_fn": trainer.loss_fn, "optimizer_def": trainer.optimizer_def, "kwargs": {"tokens": tokens}}
+
+    import importlib.metadata
+    desc = (f"Penzai {importlib.metadata.version('penzai')} llamalike d{emb} L{layers} heads{heads} "
+            f"mlp{mlp or 4 * emb} vocab{vocab}, f32 params, bf16 activations, AdamW")
+    return build_trainer, call_kwargs, desc
+
+
+def penzai_tokens(batch: int, seq: int, vocab: int, mesh):
+    """Synthetic tokens as a ``NamedArray`` ("batch", "seq"), the batch over ``data``."""
+    import jax.numpy as jnp
+    import numpy as np
+    from penzai import pz
+    from penzai.toolshed import sharding_util
+
+    tokens = np.random.default_rng(0).integers(0, vocab, (batch, seq))
+    tokens = pz.nx.wrap(jnp.asarray(tokens, jnp.int32)).tag("batch", "seq")
+    return sharding_util.name_to_name_device_put(tokens, mesh, {"batch": "data"})
+
+
+def _penzai_target(emb: int, layers: int, seq: int):
+    """Penzai's jitted step and abstract keyword arguments (``jax.eval_shape`` of the trainer's
+    construction: nothing is materialised) sharded over the target's deviceless 2 x 4 mesh."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from penzai import pz
+    from penzai.toolshed import sharding_util
+
+    import concerto_jax
+
+    build_trainer, call_kwargs, desc = penzai_parts(emb, layers)
+    mesh = concerto_jax.target_mesh(TARGET, (2, 4), ("data", "model"))
+    static = {}
+
+    def arrays():
+        trainer = build_trainer()
+        kwargs = call_kwargs(trainer, pz.nx.wrap(jnp.zeros((8, seq), jnp.int32)).tag("batch", "seq"))
+        static.update(step=trainer.step_fn, loss_fn=kwargs.pop("loss_fn"),
+                      optimizer_def=kwargs.pop("optimizer_def"))
+        return kwargs
+
+    shapes = jax.eval_shape(arrays)
+    names = {**PENZAI_SHARDING, "batch": "data"}
+    abstract = sharding_util.name_to_name_sharding(shapes, mesh, names, ignore_unnamed_arrays=True,
+                                                   as_shape_dtype_struct=True)
+    repl = NamedSharding(mesh, P())  # the unnamed leaves (step counter, AdamW's count, the key)
+    abstract = jax.tree.map(lambda a, s: a if a.sharding is not None else jax.ShapeDtypeStruct(
+        s.shape, s.dtype, sharding=repl, weak_type=s.weak_type), abstract, shapes)
+    kwargs = {**abstract, "loss_fn": static["loss_fn"], "optimizer_def": static["optimizer_def"]}
+    return static["step"], (), kwargs, None, f"{desc}, seq{seq} batch 8, mesh (data 2, model 4)"
+
+
+def _penzai_optimize(steps: int = 3, seq: int = 128) -> dict:
+    """Penzai's step (small) on 8 CPU devices through ``optimize`` vs the plain jitted step: two
+    fresh trainers from the same initialisation, the params and the trainer's state compared."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+    from penzai import pz
+
+    import concerto_jax
+
+    build_trainer, _, desc = penzai_parts(256, 2)
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    tokens = penzai_tokens(8, seq, VOCAB, mesh)
+
+    def bits(x):
+        x = jax.random.key_data(x) if jax.numpy.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+        return np.atleast_1d(np.asarray(x)).view(np.uint8)
+
+    def run(wrap):
+        trainer = build_trainer(mesh)
+        trainer = dataclasses.replace(trainer, step_fn=wrap(trainer.step_fn))
+        losses = [float(trainer.step(tokens=tokens)["loss"]) for _ in range(steps)]
+        params = pz.freeze_variables(tuple(pz.unbind_params(trainer.model)[1]))
+        return losses, [bits(x) for x in jax.tree.leaves((params, trainer.state.value))], trainer.step_fn
+
+    ref_losses, ref, _ = run(lambda s: s)
+    t0 = time.perf_counter()
+    losses, got, opt = run(lambda s: concerto_jax.optimize(s, concerto_jax.Options(passes=PASSES)))
+    wall = time.perf_counter() - t0
+    same = (losses == ref_losses and len(got) == len(ref)
+            and all(np.array_equal(a, b) for a, b in zip(got, ref, strict=True)))
+    rep = opt.report()
+    kept = [r.name for r in rep.passes if r.changed]
+    tolerance = max((r.tolerance for r in rep.passes if r.changed), default=0.0)
+    status = ("ok" if rep.optimized and (same or tolerance > 0) else
+              "DIFFERENT" if rep.optimized else f"fell back to the original step: {(rep.fallback_reason or '')[:160]}")
+    return {"status": status, "first_s": round(wall, 1),
+            "check": (f"bitwise over {steps} steps: {same} (declared tolerance {tolerance:g}); "
+                      f"{rep.first_step_check}; passes kept {kept}; optimized={rep.optimized}"),
+            "fallback": rep.fallback_reason or "", "model": f"{desc}, seq{seq} batch 8, mesh (data 2, model 4) (CPU)"}
+
+
 # -- one row in a fresh process ------------------------------------------------------------
 def _target_row(build, cluster: str = TARGET) -> dict:
     import contextlib
@@ -347,6 +516,10 @@ def _worker(case: str, emb: int, layers: int, seq: int) -> dict:
         return _maxtext_optimize(settings)
     if trainer == "maxtext":
         return _target_row(lambda: _maxtext_step(settings, emb, layers, seq))
+    if trainer == "penzai" and entry == "optimize":
+        return _penzai_optimize()
+    if trainer == "penzai":
+        return _target_row(lambda: _penzai_target(emb, layers, seq))
     if entry == "optimize":
         return _hf_optimize()
     return _target_row(lambda: _hf_target(emb, layers, seq))
@@ -356,7 +529,7 @@ def _installed(trainer: str) -> str | None:
     """None if the trainer's package imports, else why not."""
     import importlib.util
 
-    module = {"maxtext": "maxtext", "hf": "transformers"}[trainer]
+    module = {"maxtext": "maxtext", "hf": "transformers", "penzai": "penzai"}[trainer]
     if importlib.util.find_spec(module) is None:
         return f"skipped: {module} is not installed (pip install -e '.[third-party]')"
     if trainer == "hf":
@@ -390,7 +563,53 @@ def run_case(case: str, emb: int, layers: int, seq: int, timeout_s: float) -> di
     return {**row, **json.loads(lines[-1][4:])}
 
 
-def write(rows: list[dict], out: str, command: str, elapsed: float) -> None:
+def _commit() -> str:
+    """This checkout's short commit (``+dirty`` with uncommitted changes), or "?"."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+    return head + ("+dirty" if dirty else "")
+
+
+def read_table(path: str) -> tuple[dict[str, dict], str]:
+    """An earlier ``third_party.csv``'s rows by case, and its ``.md``'s "Command:" line ("" if none)."""
+    with open(path, newline="") as f:
+        rows = {r["case"]: r for r in csv.DictReader(f)}
+    md = os.path.splitext(path)[0] + ".md"
+    header = ""
+    if os.path.exists(md):
+        with open(md) as f:
+            header = next((ln.strip() for ln in f if ln.startswith("Command:")), "")
+    return rows, header
+
+
+def merge(rows: list[dict], earlier: tuple[dict[str, dict], str], path: str) -> tuple[list[dict], list[str]]:
+    """``rows`` with the rows of an earlier table (``read_table(path)``) for the cases they do not
+    cover, in ``CASES`` order (cases no longer in ``CASES`` last), and the lines of the table's
+    header that say which rows come from which run (the earlier table's header quoted)."""
+    before, header = earlier
+    ours = {r["case"]: r for r in rows}
+    kept = {c: r for c, r in before.items() if c not in ours}
+    order = [c for c in CASES if c in ours or c in kept] + [c for c in kept if c not in CASES]
+    merged = [ours.get(c) or kept[c] for c in order]
+
+    def names(cases) -> str:
+        return "; ".join(f"`{c}`" for c in cases) or "(none)"
+
+    notes = [f"Rows from this run (above): {names(ours)}.",
+             f"Rows kept from `{path}` as it stood before this run, not re-run: {names(kept)}. "
+             f"Its header: {header or '(no .md next to it)'}"]
+    return merged, notes
+
+
+def write(rows: list[dict], out: str, command: str, elapsed: float, notes: list[str] = ()) -> None:
+    import datetime
+
     import jax
 
     os.makedirs(out, exist_ok=True)
@@ -399,11 +618,13 @@ def write(rows: list[dict], out: str, command: str, elapsed: float) -> None:
         w.writeheader()
         w.writerows(rows)
     from bench.robust_columns import legend
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     lines = ["# Third-party trainers' steps: stock XLA vs ours", "",
-             f"Command: `{command}`; {elapsed:.0f} s; jax {jax.__version__}; {os.cpu_count()} CPU cores. "
-             "Step times simulated (XLA's final modules, our cost model), not measured on a GPU; "
-             "compile wall times measured on this machine.", "",
-             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+             f"Command: `{command}`; {elapsed:.0f} s; jax {jax.__version__}; commit {_commit()}; {date}; "
+             f"{os.cpu_count()} CPU cores. Step times simulated (XLA's final modules, our cost model), "
+             "not measured on a GPU; compile wall times measured on this machine.", ""]
+    lines += [n + "\n" for n in notes]
+    lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(str(r.get(c, "")).replace("|", "/") for c in COLUMNS) + " |" for r in rows]
     lines += ["", legend()]
     with open(os.path.join(out, "third_party.md"), "w") as f:
@@ -412,13 +633,15 @@ def write(rows: list[dict], out: str, command: str, elapsed: float) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--trainer", action="append", choices=("maxtext", "hf"))
+    parser.add_argument("--trainer", action="append", choices=("maxtext", "hf", "penzai"))
     parser.add_argument("--case", action="append", choices=sorted(CASES))
     parser.add_argument("--emb", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per row")
     parser.add_argument("--out", default=None, help="default: bench/results/jax-<version>")
+    parser.add_argument("--merge", metavar="CSV", help="an earlier third_party.csv whose rows for the cases "
+                        "not run here go into the table too (said so in the .md)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -432,6 +655,7 @@ def main(argv=None) -> int:
     out = args.out or os.path.join("bench", "results", f"jax-{jax.__version__}")
     cases = [c for c in CASES if (not args.trainer or CASES[c][0] in args.trainer)
              and (not args.case or c in args.case)]
+    earlier = read_table(args.merge) if args.merge else None  # once: --out may be its folder
     t0 = time.perf_counter()
     rows = []
     for i, case in enumerate(cases):
@@ -439,8 +663,9 @@ def main(argv=None) -> int:
         rows.append(run_case(case, args.emb, args.layers, args.seq, args.timeout))
         log.info("[%d/%d] %s: %s", i + 1, len(cases), case,
                  {k: rows[-1].get(k) for k in ("status", "gain", "worst_gain", "first_over_stock")})
-        write(rows, out, "python -m bench.third_party " + " ".join(argv if argv is not None else sys.argv[1:]),
-              time.perf_counter() - t0)
+        table, notes = merge(rows, earlier, args.merge) if args.merge else (rows, [])
+        write(table, out, "python -m bench.third_party " + " ".join(argv if argv is not None else sys.argv[1:]),
+              time.perf_counter() - t0, notes)
     return 0 if all(r["status"] == "ok" or r["status"].startswith(("skipped", "fell back")) for r in rows) else 1
 
 

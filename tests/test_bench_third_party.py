@@ -1,8 +1,9 @@
 """bench.third_party without the third-party packages: rows that say what is missing, and its tables.
 
-The trainers themselves (MaxText, transformers' Flax classes) are an optional extra
+The trainers themselves (MaxText, transformers' Flax classes, Penzai) are an optional extra
 (``pip install -e ".[third-party]"``), never installed by CI: this checks what a machine
-without them gets, and runs a real row only where they are installed.
+without them gets, and runs a real row (or, for Penzai, the target row's builder at a tiny
+width) only where they are installed.
 """
 
 import csv
@@ -16,10 +17,10 @@ from bench import third_party
 def test_a_missing_trainer_gives_a_row_that_says_what_to_install(monkeypatch, tmp_path):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name in ("maxtext", "transformers") else real(name, *a))
+                        lambda name, *a: None if name in ("maxtext", "transformers", "penzai") else real(name, *a))
     rows = [third_party.run_case(case, 256, 2, 128, timeout_s=10) for case in third_party.CASES]
     assert all(r["status"].startswith("skipped: ") and "[third-party]" in r["status"] for r in rows), rows
-    assert {r["trainer"] for r in rows} == {"maxtext", "hf"}
+    assert {r["trainer"] for r in rows} == {"maxtext", "hf", "penzai"}
     third_party.write(rows, str(tmp_path), "python -m bench.third_party", 0.0)
     with open(tmp_path / "third_party.csv") as f:
         table = list(csv.DictReader(f))
@@ -34,3 +35,32 @@ def test_hugging_face_step_through_optimize_returns_the_original_results():
     row = third_party.run_case("hf gpt2 fsdp2 x tp4, 8 CPU devices", 256, 2, 128, timeout_s=900)
     assert row["status"] == "ok" or row["status"].startswith("fell back"), row
     assert "bitwise over 3 steps: True" in row["check"], row
+
+
+def test_merge_keeps_the_earlier_rows_of_the_cases_not_run_and_says_so(tmp_path):
+    cases = list(third_party.CASES)
+    earlier = [{"case": c, "trainer": third_party.CASES[c][0], "status": "old"} for c in cases[:3]]
+    third_party.write(earlier, str(tmp_path / "before"), "python -m bench.third_party", 0.0)
+    path = str(tmp_path / "before" / "third_party.csv")
+    new = [{"case": cases[1], "trainer": third_party.CASES[cases[1]][0], "status": "new"},
+           {"case": cases[-1], "trainer": third_party.CASES[cases[-1]][0], "status": "new"}]
+    table, notes = third_party.merge(new, third_party.read_table(path), path)
+    assert [(r["case"], r["status"]) for r in table] == [
+        (cases[0], "old"), (cases[1], "new"), (cases[2], "old"), (cases[-1], "new")]
+    assert f"`{cases[1]}`" in notes[0] and f"`{cases[0]}`" in notes[1] and "Command: `python -m" in notes[1]
+    third_party.write(table, str(tmp_path), "python -m bench.third_party --merge x", 0.0, notes)
+    md = (tmp_path / "third_party.md").read_text()
+    assert "Rows kept from" in md and "commit " in md
+
+
+@pytest.mark.skipif(third_party._installed("penzai") is not None, reason="penzai not installed")
+def test_penzai_target_row_builds_a_step_compile_for_target_accepts():
+    import concerto_jax
+
+    step, args, kwargs, contexts, desc = third_party._penzai_target(128, 1, 64)
+    assert contexts is None and "Penzai" in desc
+    options = concerto_jax.Options(passes=("schedule",),
+                                   deviceless=concerto_jax.DevicelessOptions(combine_thresholds=()))
+    res = concerto_jax.compile_for_target(step, *args, target=third_party.TARGET, options=options, **kwargs)
+    assert res.fallback_reason is None, res.fallback_reason
+    assert 0 < res.final_step_us <= res.stock_step_us
