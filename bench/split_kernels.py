@@ -10,7 +10,7 @@ per step (loop bodies times their trip counts, collectives not counted: the kern
 ``bench.robust_columns``). ``--no-guard`` keeps the rewrite where the final-module guard would
 drop it (``guard_rewrites=False``), to see what the split costs there. Writes
 ``<prefix>.csv`` (case, class, kernels and MB of stock and ours), ``<prefix>_gains.csv`` and
-``<prefix>.md`` (per case: the simulated gains, then the classes); with ``--modules DIR``, the
+``<prefix>.md`` (per case: the simulated gains and ``back_to_back`` pairs, then the classes); with ``--modules DIR``, the
 two final modules of each case under ``DIR/<case>/``.
 """
 
@@ -28,7 +28,8 @@ log = logging.getLogger("bench.split_kernels")
 COLUMNS = ("case", "class", "stock_kernels", "ours_kernels", "added_kernels", "stock_mb", "ours_mb",
            "added_mb")
 GAIN_COLUMNS = ("case", "cluster", "guard", "stock_us", "ours_us", "nominal_gain", "calibrated_gain",
-                "stock_kernels", "ours_kernels", "added_kernels", "added_mb", "decomposed", "wall_s")
+                "stock_kernels", "ours_kernels", "added_kernels", "added_mb", "stock_back_to_back",
+                "ours_back_to_back", "decomposed", "wall_s")
 
 _SHAPE_OPS = frozenset({"parameter", "constant", "iota", "bitcast", "reshape", "broadcast",
                         "get-tuple-element", "tuple", "copy", "transpose", "slice", "dynamic-slice",
@@ -112,6 +113,36 @@ def breakdown(text: str) -> dict[str, list]:
     return dict(out)
 
 
+def back_to_back(text: str) -> int:
+    """Pairs of kernels of the entry computation that run one right after the other in the
+    module's order, come from the same source operation (``op_name`` metadata) and have no
+    collective started between them: where a split's two copies of a kernel could have been one
+    without delaying a collective (disjoint pairs, counted left to right)."""
+    import re
+
+    from concerto_jax.costmodel.compute import kernel_count
+    from concerto_jax.hlo_taskgraph import ALIAS_OPCODES, op_info
+    from hlo_passes.ir.parser import parse_module
+
+    seq: list = []
+    for inst in parse_module(text).entry.instructions:
+        if inst.async_role == "start" or (inst.collective_kind is not None and inst.async_role is None):
+            seq.append(None)
+            continue
+        if (inst.opcode in ALIAS_OPCODES or inst.opcode in ("while", "call", "conditional")
+                or inst.collective_kind is not None or not kernel_count(op_info(inst))):
+            continue
+        found = re.search(r'op_name="([^"]*)"', str(inst.attrs.get("metadata", "")))
+        seq.append(found.group(1) if found else inst.name)
+    pairs, i = 0, 0
+    while i < len(seq) - 1:
+        if seq[i] is not None and seq[i] == seq[i + 1]:
+            pairs, i = pairs + 1, i + 2
+        else:
+            i += 1
+    return pairs
+
+
 def class_rows(case: str, stock_text: str, ours_text: str) -> list[dict]:
     """One row per kernel class of the two modules, most added kernels first, then a total."""
     s, o = breakdown(stock_text), breakdown(ours_text)
@@ -171,6 +202,8 @@ def run_case(spec: str, guard: bool, modules: str | None = None) -> tuple[dict, 
              "stock_us": round(res.stock_step_us, 1), "ours_us": round(res.final_step_us, 1),
              **{k: cols[k] for k in ("nominal_gain", "calibrated_gain", "stock_kernels", "ours_kernels",
                                      "added_kernels", "added_mb")},
+             "stock_back_to_back": back_to_back(res.stock_final_text),
+             "ours_back_to_back": back_to_back(res.final_text),
              "decomposed": "; ".join(f"{d.get('computation')} ax{d.get('axis')} N={d.get('n')} {d.get('sides')}"
                                      for d in (dec.stats.get("decomposed", []) if dec else [])) or "none",
              "wall_s": round(time.perf_counter() - t0, 1)}

@@ -71,3 +71,33 @@ def test_class_rows_difference_and_total():
     assert split_kernels.breakdown(_FINAL)["gemm"][1] > split_kernels.breakdown(stock)["gemm"][1]  # bytes
     assert rows["total"]["added_kernels"] == 1
     assert rows["concatenate"]["added_kernels"] == 0
+
+
+def test_back_to_back_pairs_stop_at_a_collective():
+    text = """HloModule m, is_scheduled=true
+
+%add_f (u: f32[], v: f32[]) -> f32[] {
+  %u = f32[] parameter(0)
+  %v = f32[] parameter(1)
+  ROOT %w = f32[] add(%u, %v)
+}
+
+%t (a: f32[64]) -> f32[64] {
+  %a = f32[64]{0} parameter(0)
+  ROOT %b = f32[64]{0} tanh(%a)
+}
+
+ENTRY %main (x: f32[64], y: f32[64]) -> (f32[64], f32[64], f32[64], f32[64]) {
+  %x = f32[64]{0} parameter(0)
+  %y = f32[64]{0} parameter(1)
+  %k0 = f32[64]{0} fusion(%x), kind=kLoop, calls=%t, metadata={op_name="a/tanh"}
+  %k1 = f32[64]{0} fusion(%y), kind=kLoop, calls=%t, metadata={op_name="a/tanh"}
+  %k2 = f32[64]{0} fusion(%k0), kind=kLoop, calls=%t, metadata={op_name="b/tanh"}
+  %ar = f32[64]{0} all-reduce(%k2), replica_groups={}, to_apply=%add_f
+  %k3 = f32[64]{0} fusion(%k1), kind=kLoop, calls=%t, metadata={op_name="b/tanh"}
+  ROOT %out = (f32[64]{0}, f32[64]{0}, f32[64]{0}, f32[64]{0}) tuple(%k1, %k2, %ar, %k3)
+}
+"""
+    assert split_kernels.back_to_back(text) == 1  # k0 k1; not k2 k3 (the all-reduce between)
+    assert split_kernels.back_to_back(text.replace("  %ar = f32[64]{0} all-reduce(%k2), replica_groups={}, "
+                                                   "to_apply=%add_f\n", "").replace(", %ar,", ", %k2,")) == 2
