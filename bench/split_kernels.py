@@ -10,7 +10,7 @@ per step (loop bodies times their trip counts, collectives not counted: the kern
 ``bench.robust_columns``). ``--no-guard`` keeps the rewrite where the final-module guard would
 drop it (``guard_rewrites=False``), to see what the split costs there. Writes
 ``<prefix>.csv`` (case, class, kernels and MB of stock and ours), ``<prefix>_gains.csv`` and
-``<prefix>.md`` (per case: the simulated gains and ``back_to_back`` pairs, then the classes); with ``--modules DIR``, the
+``<prefix>.md`` (per case: the simulated gains and ``copies_back_to_back``, then the classes); with ``--modules DIR``, the
 two final modules of each case under ``DIR/<case>/``.
 """
 
@@ -28,8 +28,8 @@ log = logging.getLogger("bench.split_kernels")
 COLUMNS = ("case", "class", "stock_kernels", "ours_kernels", "added_kernels", "stock_mb", "ours_mb",
            "added_mb")
 GAIN_COLUMNS = ("case", "cluster", "guard", "stock_us", "ours_us", "nominal_gain", "calibrated_gain",
-                "stock_kernels", "ours_kernels", "added_kernels", "added_mb", "stock_back_to_back",
-                "ours_back_to_back", "decomposed", "wall_s")
+                "stock_kernels", "ours_kernels", "added_kernels", "added_mb", "copied_kernels",
+                "copies_back_to_back", "decomposed", "wall_s")
 
 _SHAPE_OPS = frozenset({"parameter", "constant", "iota", "bitcast", "reshape", "broadcast",
                         "get-tuple-element", "tuple", "copy", "transpose", "slice", "dynamic-slice",
@@ -113,11 +113,9 @@ def breakdown(text: str) -> dict[str, list]:
     return dict(out)
 
 
-def back_to_back(text: str) -> int:
-    """Pairs of kernels of the entry computation that run one right after the other in the
-    module's order, come from the same source operation (``op_name`` metadata) and have no
-    collective started between them: where a split's two copies of a kernel could have been one
-    without delaying a collective (disjoint pairs, counted left to right)."""
+def _entry_kernels(text: str) -> list:
+    """The entry computation's kernels in the module's order, as their source operation
+    (``op_name`` metadata, else the name), with None for each collective started."""
     import re
 
     from concerto_jax.costmodel.compute import kernel_count
@@ -134,13 +132,20 @@ def back_to_back(text: str) -> int:
             continue
         found = re.search(r'op_name="([^"]*)"', str(inst.attrs.get("metadata", "")))
         seq.append(found.group(1) if found else inst.name)
-    pairs, i = 0, 0
-    while i < len(seq) - 1:
-        if seq[i] is not None and seq[i] == seq[i + 1]:
-            pairs, i = pairs + 1, i + 2
-        else:
-            i += 1
-    return pairs
+    return seq
+
+
+def copies_back_to_back(stock_text: str, ours_text: str) -> tuple[int, int]:
+    """``(copies, adjacent)``: the source operations of the entry computation with one kernel in
+    stock's module and two in ours (the split's two copies of a kernel), and how many of those
+    pairs run one right after the other in ours' order with no collective started between them:
+    where one kernel for both chunks would have delayed no collective."""
+    stock, ours = _entry_kernels(stock_text), _entry_kernels(ours_text)
+    in_stock = collections.Counter(k for k in stock if k is not None)
+    in_ours = collections.Counter(k for k in ours if k is not None)
+    copies = {k for k, n in in_ours.items() if n == 2 and in_stock.get(k) == 1}
+    adjacent = sum(1 for a, b in zip(ours, ours[1:], strict=False) if a is not None and a == b and a in copies)
+    return len(copies), adjacent
 
 
 def class_rows(case: str, stock_text: str, ours_text: str) -> list[dict]:
@@ -202,8 +207,8 @@ def run_case(spec: str, guard: bool, modules: str | None = None) -> tuple[dict, 
              "stock_us": round(res.stock_step_us, 1), "ours_us": round(res.final_step_us, 1),
              **{k: cols[k] for k in ("nominal_gain", "calibrated_gain", "stock_kernels", "ours_kernels",
                                      "added_kernels", "added_mb")},
-             "stock_back_to_back": back_to_back(res.stock_final_text),
-             "ours_back_to_back": back_to_back(res.final_text),
+             **dict(zip(("copied_kernels", "copies_back_to_back"),
+                        copies_back_to_back(res.stock_final_text, res.final_text), strict=True)),
              "decomposed": "; ".join(f"{d.get('computation')} ax{d.get('axis')} N={d.get('n')} {d.get('sides')}"
                                      for d in (dec.stats.get("decomposed", []) if dec else [])) or "none",
              "wall_s": round(time.perf_counter() - t0, 1)}

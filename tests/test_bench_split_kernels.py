@@ -73,8 +73,10 @@ def test_class_rows_difference_and_total():
     assert rows["concatenate"]["added_kernels"] == 0
 
 
-def test_back_to_back_pairs_stop_at_a_collective():
-    text = """HloModule m, is_scheduled=true
+def test_copies_back_to_back_stop_at_a_collective():
+    """Two copies of a kernel (one in stock) count where they run one after the other with no
+    collective started between them."""
+    ours = """HloModule m, is_scheduled=true
 
 %add_f (u: f32[], v: f32[]) -> f32[] {
   %u = f32[] parameter(0)
@@ -98,6 +100,10 @@ ENTRY %main (x: f32[64], y: f32[64]) -> (f32[64], f32[64], f32[64], f32[64]) {
   ROOT %out = (f32[64]{0}, f32[64]{0}, f32[64]{0}, f32[64]{0}) tuple(%k1, %k2, %ar, %k3)
 }
 """
-    assert split_kernels.back_to_back(text) == 1  # k0 k1; not k2 k3 (the all-reduce between)
-    assert split_kernels.back_to_back(text.replace("  %ar = f32[64]{0} all-reduce(%k2), replica_groups={}, "
-                                                   "to_apply=%add_f\n", "").replace(", %ar,", ", %k2,")) == 2
+    stock = (ours.replace('  %k1 = f32[64]{0} fusion(%y), kind=kLoop, calls=%t, metadata={op_name="a/tanh"}\n', "")
+             .replace('  %k3 = f32[64]{0} fusion(%k1), kind=kLoop, calls=%t, metadata={op_name="b/tanh"}\n', "")
+             .replace("tuple(%k1, %k2, %ar, %k3)", "tuple(%k0, %k2, %ar, %k2)"))
+    assert split_kernels.copies_back_to_back(stock, ours) == (2, 1)  # a/tanh adjacent; b/tanh not
+    no_collective = ours.replace("  %ar = f32[64]{0} all-reduce(%k2), replica_groups={}, to_apply=%add_f\n",
+                                 "").replace(", %ar,", ", %k2,")
+    assert split_kernels.copies_back_to_back(stock, no_collective) == (2, 2)
