@@ -690,11 +690,17 @@ def test_budget_counts_compiles_under_auto():
     the count whatever the machine's load; a rewriting pass's own compiles are not charged; a
     budget in seconds is wall time."""
     from concerto_jax.deviceless.budget import (
-        AUTO_BUDGET_COMPILES,
         PARALLEL_COMPILE_COST,
         TimeBudget,
+        auto_budget_compiles,
     )
 
+    # stock's compile and one threshold search at the defaults: its smallest size, then its two
+    # best-estimated candidates side by side
+    AUTO_BUDGET_COMPILES = auto_budget_compiles(concerto_jax.Options())
+    assert AUTO_BUDGET_COMPILES == pytest.approx(2 + 1 + PARALLEL_COMPILE_COST)
+    every = concerto_jax.Options(deviceless=concerto_jax.DevicelessOptions(combine_compiles=None))
+    assert auto_budget_compiles(every) is None and TimeBudget.start(every, 0.0, 1.0).fits(1e9)
     auto = TimeBudget.start(concerto_jax.Options(), 0.0, stock_compile_s=1e6)
     assert auto.compiles == AUTO_BUDGET_COMPILES and auto.spent == 1.0  # stock's compile
     assert auto.fits(AUTO_BUDGET_COMPILES - 1.0) and not auto.fits(AUTO_BUDGET_COMPILES)
@@ -702,10 +708,12 @@ def test_budget_counts_compiles_under_auto():
     assert auto.spent == 1.0 and auto.uncharged == 1.0
     auto.spend(1)
     assert auto.fits(AUTO_BUDGET_COMPILES - 2.0)
-    assert not auto.allows(1 + PARALLEL_COMPILE_COST, "two more side by side")
-    assert auto.cut == ["two more side by side"]
-    assert auto.summary() == {"kind": "compiles", "budget": AUTO_BUDGET_COMPILES, "spent": 2.0,
-                              "uncharged": 1.0}
+    assert auto.allows(1 + PARALLEL_COMPILE_COST, "two more side by side")
+    auto.spend(1 + PARALLEL_COMPILE_COST)
+    assert not auto.allows(1, "one more")
+    assert auto.cut == ["one more"]
+    assert auto.summary() == {"kind": "compiles", "budget": AUTO_BUDGET_COMPILES,
+                              "spent": round(3 + PARALLEL_COMPILE_COST, 2), "uncharged": 1.0}
     secs = TimeBudget.start(concerto_jax.Options(deviceless=concerto_jax.DevicelessOptions(time_budget_s=100.0)),
                             time.perf_counter(), stock_compile_s=30.0)
     assert secs.compiles is None and secs.fits(3) and not secs.fits(4)  # 100 s at 30 s a compile
@@ -715,16 +723,20 @@ def test_budget_counts_compiles_under_auto():
 
 
 @needs_plugin
-def test_auto_budget_gives_the_same_plan_and_stops_at_its_count():
-    # The default budget: stock's compile, the smallest size's and one estimated candidate's at
-    # most, whatever the time they take; two calls search the same candidates and keep the
-    # same plan.
-    from concerto_jax.deviceless.budget import AUTO_BUDGET_COMPILES
+def test_auto_budget_gives_the_same_plan_twice():
+    # The default budget counts compiles (stock's, the smallest size's and the best-estimated
+    # candidates': combine_compiles=1 here, one), not seconds: two calls search the same
+    # candidates and keep the same plan, and the record says what was spent. (Where the count
+    # cuts: the unit test above.)
+    from concerto_jax.deviceless.budget import auto_budget_compiles
 
     step, args = _dp_mlp(layers=4, fsdp=True)
     opts = concerto_jax.Options(passes=("schedule",), fallback=False, cache_dir=None,
                                 deviceless=concerto_jax.DevicelessOptions(
-                                    robust=(), combine_thresholds=(1, 2 << 20, 8 << 20, 64 << 20)))
+                                    robust=(), combine_thresholds=(1, 2 << 20, 8 << 20, 64 << 20),
+                                    combine_compiles=1))
+    AUTO_BUDGET_COMPILES = auto_budget_compiles(opts)
+    assert AUTO_BUDGET_COMPILES == 3.0
     recs = []
     for _ in range(2):
         res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=opts)

@@ -3,7 +3,7 @@
 Two kinds of budget, one interface (``fits`` / ``allows`` / ``spend``):
 
 * ``"auto"`` (the default) counts XLA compiles, not seconds: the call may run
-  ``AUTO_BUDGET_COMPILES`` compiles of the step (stock's included; a batch of compiles side by
+  ``auto_budget_compiles`` compiles of the step (stock's included; a batch of compiles side by
   side counts as ``PARALLEL_COMPILE_COST`` each beyond the first), so what it searches depends
   on the program alone, never on the machine's speed or load: the same step gives the same plan
   on every run (D47). Its wall time is then about that many compiles plus the plans.
@@ -19,18 +19,27 @@ import time
 
 log = logging.getLogger(__name__)
 
-AUTO_BUDGET_COMPILES = 3.0
-"""``Options.deviceless.time_budget_s="auto"``: the XLA compiles of the step one call may run,
-stock's included: stock's, the combine-threshold search's smallest size and its best-estimated
-candidate (the compile-time goal: a first compile within 3x stock XLA's, which compiles once
-and autotunes; our compiles do not autotune, D39, and share one kernel cache, D40). The
-compiles a rewriting pass's own program needs (its compile, the rotation guard's) are not
-charged: the search of the program without the rewrite gets what "schedule" alone gets."""
-
 PARALLEL_COMPILE_COST = 0.6
 """Compiles run side by side (threads; XLA's compile releases the GIL): each one beyond the
 first costs this fraction of one compile (two compiles of the held-out DP x TP step on 2 cores:
 33 s side by side, 43 s one after the other)."""
+
+
+def auto_budget_compiles(options) -> float | None:
+    """``Options.deviceless.time_budget_s="auto"``: the XLA compiles of the step one call may run,
+    stock's included: stock's and one combine-threshold search at the options' settings (its
+    smallest size, then its ``combine_compiles`` best-estimated candidates side by side): 3.6
+    at the defaults. None (no bound) where ``combine_compiles`` is None (every candidate).
+
+    The compiles a rewriting pass's own program needs (its compile, the rotation guard's) are
+    not charged: the search of the program without the rewrite gets what "schedule" alone
+    gets; a second search (the rewrite guard's near tie) runs on what the first left. Our
+    compiles do not autotune (D39) and share one kernel cache (D40), so that budget keeps a
+    first compile near 3x stock XLA's, which compiles once and autotunes (D47)."""
+    k = options.deviceless.combine_compiles
+    if k is None:
+        return None
+    return 2.0 + (1.0 + PARALLEL_COMPILE_COST * (k - 1) if k > 0 else 0.0)
 
 
 @dataclasses.dataclass
@@ -63,7 +72,7 @@ class TimeBudget:
         if b is None:
             return cls(compile_s=stock_compile_s, spent=1.0)
         if b == "auto":
-            return cls(compile_s=stock_compile_s, compiles=AUTO_BUDGET_COMPILES, spent=1.0)
+            return cls(compile_s=stock_compile_s, compiles=auto_budget_compiles(options), spent=1.0)
         return cls(t0 + float(b), stock_compile_s, spent=1.0)
 
     def left(self) -> float:
