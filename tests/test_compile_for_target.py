@@ -714,6 +714,10 @@ def test_budget_counts_compiles_under_auto():
     assert auto.cut == ["one more"]
     assert auto.summary() == {"kind": "compiles", "budget": AUTO_BUDGET_COMPILES,
                               "spent": round(3 + PARALLEL_COMPILE_COST, 2), "uncharged": 1.0}
+    # the original's search after the rewrite's own one (rewrite_guard.search_original_too)
+    # gets what "schedule" alone would, never less
+    auto.grant_search()
+    assert auto.fits(AUTO_BUDGET_COMPILES - 1.0) and not auto.fits(AUTO_BUDGET_COMPILES)
     secs = TimeBudget.start(concerto_jax.Options(deviceless=concerto_jax.DevicelessOptions(time_budget_s=100.0)),
                             time.perf_counter(), stock_compile_s=30.0)
     assert secs.compiles is None and secs.fits(3) and not secs.fits(4)  # 100 s at 30 s a compile

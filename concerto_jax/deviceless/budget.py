@@ -54,6 +54,7 @@ class TimeBudget:
       compiles: the compile budget of ``"auto"`` (None: a budget in seconds, or none).
       spent: compiles charged so far (stock's included).
       uncharged: compiles run but not charged (a rewriting pass's own program).
+      search_compiles: one threshold search's compiles ("auto"; ``grant_search``).
       cut: what the budget left out, one line each.
     """
 
@@ -62,6 +63,7 @@ class TimeBudget:
     compiles: float | None = None
     spent: float = 0.0
     uncharged: float = 0.0
+    search_compiles: float | None = None  # "auto": one threshold search's compiles
     cut: list = dataclasses.field(default_factory=list)
 
     @classmethod
@@ -72,7 +74,9 @@ class TimeBudget:
         if b is None:
             return cls(compile_s=stock_compile_s, spent=1.0)
         if b == "auto":
-            return cls(compile_s=stock_compile_s, compiles=auto_budget_compiles(options), spent=1.0)
+            n = auto_budget_compiles(options)
+            return cls(compile_s=stock_compile_s, compiles=n, spent=1.0,
+                       search_compiles=None if n is None else n - 1.0)
         return cls(t0 + float(b), stock_compile_s, spent=1.0)
 
     def left(self) -> float:
@@ -97,6 +101,15 @@ class TimeBudget:
         else:
             log.info("compile_for_target: time budget: %s (%.0f s left)", what, max(self.left(), 0.0))
         return False
+
+    def grant_search(self) -> None:
+        """Under "auto": make room for one more threshold search as "schedule" alone would run it
+        (``auto_budget_compiles`` less stock's compile), where less is left. The rewrite guard
+        calls it before searching the original program after the rewrite's own search moved
+        the rewrite's plan by more than its lead (``rewrite_guard.search_original_too``): that
+        search decides whether the rewrite stands, so it is never starved by the rewrite's."""
+        if self.compiles is not None and self.search_compiles is not None:
+            self.compiles = max(self.compiles, self.spent + self.search_compiles)
 
     def spend(self, compiles: float = 1.0, charged: bool = True) -> None:
         """Record ``compiles`` compiles run (``charged=False``: a rewriting pass's own program)."""

@@ -473,6 +473,8 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, *, env: di
                 guard["rewrite_search_moved_us"] = round(rewritten_us - a[0].judged.us, 1)
             if near_tie or rewrite_guard.search_original_too(rewritten_us, plain_us, a[0].judged.us):
                 if b is None:
+                    if clock is not None:  # never starved by the rewrite's search (D47)
+                        clock.grant_search()
                     b = tuned(scheduled_at_step, plain, stock_src, stock_compile_options)
                 keep = a[0].judged.us < b[0].judged.us
                 after = {"rewritten_planned_us": round(a[0].judged.us, 1),
