@@ -32,15 +32,23 @@ def legend() -> str:
 def kernels_and_bytes(text: str) -> tuple[int, float]:
     """``(kernels, HBM bytes)`` per step of a scheduled module: every compute kernel of every
     computation that runs as a sequence of kernels, weighted by how often it runs per step."""
+    total = kernels_and_bytes_by(text, lambda inst: None).get(None, [0, 0.0])
+    return total[0], total[1]
+
+
+def kernels_and_bytes_by(text: str, key) -> dict:
+    """``key(instruction) -> [kernels per step, HBM bytes per step]`` of a scheduled module (the
+    kernels ``kernels_and_bytes`` counts, grouped by ``key``)."""
+    import collections
+
     from concerto_jax.costmodel.compute import kernel_count, work_of
     from concerto_jax.hlo_taskgraph import ALIAS_OPCODES, op_info
     from hlo_passes.ir.loops import runs_per_step, schedulable_computations
     from hlo_passes.ir.parser import parse_module
 
-    module = parse_module(text)
-    comps = schedulable_computations(module)
+    comps = schedulable_computations(parse_module(text))
     runs = runs_per_step(comps)
-    kernels, nbytes = 0, 0.0
+    out: dict = collections.defaultdict(lambda: [0, 0.0])
     for comp in comps:
         m = runs.get(comp.name, 0)
         for inst in comp.instructions:
@@ -50,9 +58,10 @@ def kernels_and_bytes(text: str) -> tuple[int, float]:
             info = op_info(inst)
             n = kernel_count(info)
             if n:
-                kernels += m * n
-                nbytes += m * work_of(info).bytes
-    return kernels, nbytes
+                entry = out[key(inst)]
+                entry[0] += m * n
+                entry[1] += m * work_of(info).bytes
+    return dict(out)
 
 
 def columns(stock_text: str, ours_text: str, cluster: str) -> dict:

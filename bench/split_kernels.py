@@ -89,28 +89,9 @@ def kernel_class(inst) -> str:
 def breakdown(text: str) -> dict[str, list]:
     """``class -> [kernels per step, HBM bytes per step]`` of a scheduled module (the kernels
     ``bench.robust_columns.kernels_and_bytes`` counts)."""
-    from concerto_jax.costmodel.compute import kernel_count, work_of
-    from concerto_jax.hlo_taskgraph import ALIAS_OPCODES, op_info
-    from hlo_passes.ir.loops import runs_per_step, schedulable_computations
-    from hlo_passes.ir.parser import parse_module
+    from bench.robust_columns import kernels_and_bytes_by
 
-    module = parse_module(text)
-    comps = schedulable_computations(module)
-    runs = runs_per_step(comps)
-    out: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
-    for comp in comps:
-        m = runs.get(comp.name, 0)
-        for inst in comp.instructions:
-            if (inst.opcode in ALIAS_OPCODES or inst.opcode in ("while", "call", "conditional")
-                    or inst.collective_kind is not None):
-                continue
-            info = op_info(inst)
-            n = kernel_count(info)
-            if n:
-                entry = out[kernel_class(inst)]
-                entry[0] += m * n
-                entry[1] += m * work_of(info).bytes
-    return dict(out)
+    return kernels_and_bytes_by(text, kernel_class)
 
 
 def _entry_kernels(text: str) -> list:

@@ -80,6 +80,18 @@ COLUMNS = ("case", "trainer", "entry", "status", "stock_us", "ours_us", "gain", 
            "robust_changed", "fallback", "cut", "check", "model")
 
 
+def _optimize_row(rep, same: bool, wall: float, steps: int, model: str) -> dict:
+    """An ``optimize`` row's columns from the step's report and the bitwise comparison ``same``."""
+    kept = [r.name for r in rep.passes if r.changed]
+    tolerance = max((r.tolerance for r in rep.passes if r.changed), default=0.0)
+    status = ("ok" if rep.optimized and (same or tolerance > 0) else
+              "DIFFERENT" if rep.optimized else f"fell back to the original step: {(rep.fallback_reason or '')[:160]}")
+    return {"status": status, "first_s": round(wall, 1),
+            "check": (f"bitwise over {steps} steps: {same} (declared tolerance {tolerance:g}); "
+                      f"{rep.first_step_check}; passes kept {kept}; optimized={rep.optimized}"),
+            "fallback": rep.fallback_reason or "", "model": model}
+
+
 # -- MaxText -----------------------------------------------------------------------------
 def _maxtext_step(settings: dict, emb: int, layers: int, seq: int, devices=None):
     """``(step, args, kwargs, contexts, description)`` of MaxText's own train step, over the
@@ -305,15 +317,7 @@ def _maxtext_optimize(settings: dict, steps: int = 2) -> dict:
         got = run(opt)
         wall = time.perf_counter() - t0
     same = len(ref) == len(got) and all(np.array_equal(a, b) for a, b in zip(ref, got, strict=True))
-    rep = opt.report()
-    kept = [r.name for r in rep.passes if r.changed]
-    tolerance = max((r.tolerance for r in rep.passes if r.changed), default=0.0)
-    status = ("ok" if rep.optimized and (same or tolerance > 0) else
-              "DIFFERENT" if rep.optimized else f"fell back to the original step: {(rep.fallback_reason or '')[:160]}")
-    return {"status": status, "first_s": round(wall, 1),
-            "check": (f"bitwise over {steps} steps: {same} (declared tolerance {tolerance:g}); "
-                      f"{rep.first_step_check}; passes kept {kept}; optimized={rep.optimized}"),
-            "fallback": rep.fallback_reason or "", "model": desc + " (CPU)"}
+    return _optimize_row(opt.report(), same, wall, steps, desc + " (CPU)")
 
 
 # -- Penzai ------------------------------------------------------------------------------
@@ -461,15 +465,8 @@ def _penzai_optimize(steps: int = 3, seq: int = 128) -> dict:
     wall = time.perf_counter() - t0
     same = (losses == ref_losses and len(got) == len(ref)
             and all(np.array_equal(a, b) for a, b in zip(got, ref, strict=True)))
-    rep = opt.report()
-    kept = [r.name for r in rep.passes if r.changed]
-    tolerance = max((r.tolerance for r in rep.passes if r.changed), default=0.0)
-    status = ("ok" if rep.optimized and (same or tolerance > 0) else
-              "DIFFERENT" if rep.optimized else f"fell back to the original step: {(rep.fallback_reason or '')[:160]}")
-    return {"status": status, "first_s": round(wall, 1),
-            "check": (f"bitwise over {steps} steps: {same} (declared tolerance {tolerance:g}); "
-                      f"{rep.first_step_check}; passes kept {kept}; optimized={rep.optimized}"),
-            "fallback": rep.fallback_reason or "", "model": f"{desc}, seq{seq} batch 8, mesh (data 2, model 4) (CPU)"}
+    return _optimize_row(opt.report(), same, wall, steps,
+                         f"{desc}, seq{seq} batch 8, mesh (data 2, model 4) (CPU)")
 
 
 # -- one row in a fresh process ------------------------------------------------------------
