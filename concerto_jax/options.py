@@ -49,10 +49,10 @@ class DevicelessOptions:
     # the guard's search of the original program, the replicated-only alternative) would not
     # fit in what is left, they are not run; the best plan found so far is kept (never one
     # slower than stock: the final-module guard still decides) and the records say what was
-    # cut (TargetResult.cut). "auto": a count of XLA compiles of the step
-    # (deviceless.budget.AUTO_BUDGET_COMPILES, stock's included), so that the plan depends on
-    # the program alone, not on the machine's speed or load; seconds: wall time from the call
-    # to the final compile (a loaded machine searches less); None: no bound.
+    # cut (TargetResult.cut). "auto": a count of XLA compiles of the step, stock's and one
+    # threshold search's (deviceless.budget.auto_budget_compiles: 3.6 at the defaults), so that
+    # the plan depends on the program alone, not on the machine's speed or load; seconds: wall
+    # time from the call to the final compile (a loaded machine searches less); None: no bound.
     time_budget_s: float | str | None = "auto"
     # The memory the "schedule" pass may plan with. "xla": up to the
     # limit XLA's own GPU scheduler holds itself to on the target ((80 % of the device's

@@ -54,7 +54,7 @@ def collectives_by_kind(text: str, combined: dict | None = None) -> tuple[dict[s
     XLA combined them. Only the computations that run as sequences of ops are read: the
     collective inside an ``async-start``'s computation or a collective kernel's fused
     computation is counted once, through its wrapper. ``combined``, if given, receives per kind
-    how many of its collectives carry more than one operand (what XLA's combiners made)."""
+    how many of its collectives XLA's combiners made (``_is_combined``)."""
     nbytes = dict.fromkeys(COMBINED_KINDS, 0)
     shapes: dict[str, list] = {k: [] for k in COMBINED_KINDS}
     for comp in schedulable_computations(parse_module(text)):
@@ -98,7 +98,7 @@ ESTIMATE_PRUNE_MARGIN = 0.02
 scaled to plans by the module it was made on (that module's plan over its estimate), is at most
 this fraction above the plan at the given settings: a candidate the estimate puts clearly
 behind is not worth a compile (the estimates ranked the held-out steps' sizes as their plans
-did, D35; what the scaled estimates missed by is in docs/DECISIONS.md D45)."""
+did, D35; what the scaled estimates missed by is in docs/DECISIONS.md D47)."""
 
 
 def given_is_smallest(current_src: str, env: dict, present, smallest: int) -> bool:

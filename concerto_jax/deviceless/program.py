@@ -392,7 +392,7 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, *, env: di
             # XLA's pipeline up to (and through) its scheduler on OUR program.
             _, _, dt, scheduled_src = compile_replicated_for_target(pre.text, devices, env, after_lhs=True)
             seconds["xla_passes_compile"] = dt
-            if clock is not None:  # the rewrite's own program: not charged (budget.AUTO_BUDGET_COMPILES)
+            if clock is not None:  # the rewrite's own program: not charged (budget.auto_budget_compiles)
                 clock.spend(1, charged=False)
             pre, scheduled_src, planned = rewrite_guard.rotation_guard(
                 pre, pre_opts, inputs, scheduled_src, stock.post_spmd_text, devices, env, options, cost_model,
