@@ -108,6 +108,9 @@ def _payload_bytes(kind: str, start, done) -> int:
         leaves = array_leaves(done.shape)
         return leaves[-1].bytes if leaves else 0
     coll = _collective_of(start)
+    if kind == "ragged-all-to-all":
+        # operands: input, output buffer, offsets and sizes: what it can send is the input
+        return sum(a.bytes for a in array_leaves(coll.operands[0].shape)) if coll.operands else 0
     return sum(a.bytes for o in coll.operands for a in array_leaves(o.shape))
 
 

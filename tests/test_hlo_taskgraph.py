@@ -237,3 +237,30 @@ def test_final_order_maps_onto_the_async_start_form():
     m = map_order(hlo_passes.parse_module(ASYNC_FINAL), built)
     assert m.opcode_mismatch == () and set(m.extra) == {"e", "sync"}
     assert m.mapped_events == m.total_events
+
+
+def test_ragged_all_to_all_is_priced_as_an_all_to_all_of_its_input():
+    # MaxText's default MoE path dispatches tokens with ragged-all-to-all (per-peer sizes known
+    # at run time): priced as an all-to-all of its whole input buffer (the most it can send),
+    # not of every operand (the output buffer and the offsets), and never an unknown collective.
+    import hlo_passes
+
+    text = """HloModule m
+
+ENTRY %main (x: bf16[4096,1024], out: bf16[4096,1024], io: s64[8], ss: s64[8], oo: s64[8], rs: s64[8]) -> bf16[4096,1024] {
+  %x = bf16[4096,1024]{1,0} parameter(0)
+  %out = bf16[4096,1024]{1,0} parameter(1)
+  %io = s64[8]{0} parameter(2)
+  %ss = s64[8]{0} parameter(3)
+  %oo = s64[8]{0} parameter(4)
+  %rs = s64[8]{0} parameter(5)
+  ROOT %r = bf16[4096,1024]{1,0} ragged-all-to-all(%x, %out, %io, %ss, %oo, %rs), replica_groups={{0,1,2,3,4,5,6,7}}
+}
+"""
+    cm = CostModel(get_cluster("h100_sxm_8"), OPTS)
+    hg = build_taskgraph(hlo_passes.parse_module(text), cm)
+    (task,) = [t for t in hg.graph.tasks if t.collective is not None]
+    assert task.collective.op == "ragged-all-to-all"
+    assert task.collective.bytes == 4096 * 1024 * 2
+    want = cm.collective("all-to-all", 4096 * 1024 * 2, [list(range(8))]).time_us
+    assert task.duration_us == pytest.approx(want) and want > 0

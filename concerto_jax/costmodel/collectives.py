@@ -64,6 +64,11 @@ from concerto_jax.costmodel import specs
 from concerto_jax.costmodel.cluster import Cluster
 
 COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+PRICED_AS = {"ragged-all-to-all": "all-to-all"}
+"""Collectives priced as another: a ``ragged-all-to-all`` (MoE token dispatch with per-peer
+sizes known only at run time, MaxText's default MoE path) as an all-to-all of its whole input
+buffer, the most it can send (the payload ``hlo_taskgraph`` gives it)."""
 _PROTOCOLS = ("LL", "LL128", "Simple")
 
 
@@ -98,6 +103,7 @@ class CollectiveCost:
 
 def bus_factor(op: str, n: int) -> float:
     """Bytes a rank sends per payload byte for a bandwidth-optimal ``op`` over ``n`` ranks."""
+    op = PRICED_AS.get(op, op)
     if n <= 1:
         return 0.0
     if op == "all-reduce":
@@ -136,8 +142,10 @@ def collective_cost(
       options: algorithm choice and link efficiency.
 
     Returns:
-      The fastest (algorithm, protocol) allowed by ``options`` and its time.
+      The fastest (algorithm, protocol) allowed by ``options`` and its time. ``op`` may also
+      be one of ``PRICED_AS`` (priced as the collective it names).
     """
+    op = PRICED_AS.get(op, op)
     n, hosts, k = _placement(group, cluster)
     if n <= 1 or nbytes <= 0:
         return CollectiveCost(0.0, "none", "none", 0.0, 0.0)
