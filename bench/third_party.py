@@ -19,7 +19,11 @@ cached one. Stock XLA and ours are XLA's final modules, judged by one simulator 
   ``jax.set_mesh`` and the logical axis rules), one change: MaxText's ``create_device_mesh``
   gets the target's deviceless devices (``concerto_jax.target_mesh``) instead of
   ``jax.devices()``. Dense llama2 blocks (FSDP, FSDP x TP, TP; scanned and unrolled; full
-  remat; bf16 compute on f32 weights) and a mixtral block with expert parallelism.
+  remat; bf16 compute on f32 weights) and a mixtral block with expert parallelism (once more
+  with a case's own options, ``CASES``' ``"options"``: decompose in the entry computation only
+  and the threshold searches unbounded; and through ``optimize`` on 8 CPU devices with
+  decompose's contexts forced). The ``decompose`` column: the rewrite guard's decision on the
+  split (``compile_for_target`` rows) or what was split, by collective kind (``optimize`` rows).
 * ``hf``: ``transformers``' ``FlaxGPT2LMHeadModel`` from a ``GPT2Config`` (weights initialised
   here, nothing downloaded), a user-written optax AdamW step with dropout, parameters and Adam
   moments sharded FSDP x TP (2 x 4). Its ``optimize`` row runs it on 8 CPU devices for three
