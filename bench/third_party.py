@@ -19,7 +19,11 @@ cached one. Stock XLA and ours are XLA's final modules, judged by one simulator 
   ``jax.set_mesh`` and the logical axis rules), one change: MaxText's ``create_device_mesh``
   gets the target's deviceless devices (``concerto_jax.target_mesh``) instead of
   ``jax.devices()``. Dense llama2 blocks (FSDP, FSDP x TP, TP; scanned and unrolled; full
-  remat; bf16 compute on f32 weights) and a mixtral block with expert parallelism.
+  remat; bf16 compute on f32 weights) and a mixtral block with expert parallelism (once more
+  with a case's own options, ``CASES``' ``"options"``: decompose in the entry computation only
+  and the threshold searches unbounded; and through ``optimize`` on 8 CPU devices with
+  decompose's contexts forced). The ``decompose`` column: the rewrite guard's decision on the
+  split (``compile_for_target`` rows) or what was split, by collective kind (``optimize`` rows).
 * ``hf``: ``transformers``' ``FlaxGPT2LMHeadModel`` from a ``GPT2Config`` (weights initialised
   here, nothing downloaded), a user-written optax AdamW step with dropout, parameters and Adam
   moments sharded FSDP x TP (2 x 4). Its ``optimize`` row runs it on 8 CPU devices for three
@@ -67,8 +71,21 @@ CASES: dict[str, tuple[str, str, dict]] = {
     "maxtext llama2 tp8 unrolled": ("maxtext", "target", {"block": "llama2", "fsdp": 1, "tensor": 8, "scan": False}),
     "maxtext mixtral 8 experts, ep8 scan": ("maxtext", "target", {"block": "mixtral", "expert": 8, "fsdp": 1, "tensor": 1,
                                                                   "scan": True}),
+    # the same step with two user options: decompose in the entry computation only
+    # (DecomposeOptions(loop_bodies=False): the embedding's all-to-all region, not the layer
+    # loops' expert-weight gathers) and no bound on the threshold searches
+    # (DevicelessOptions(time_budget_s=None): both programs' searches run in full)
+    "maxtext mixtral 8 experts, ep8 scan, decompose entry only, unbounded search": (
+        "maxtext", "target", {"block": "mixtral", "expert": 8, "fsdp": 1, "tensor": 1, "scan": True,
+                              "options": {"decompose": {"loop_bodies": False},
+                                          "deviceless": {"time_budget_s": None}}}),
     "maxtext llama2 fsdp8 scan, 8 CPU devices": ("maxtext", "optimize", {"block": "llama2", "fsdp": 8, "tensor": 1,
                                                                           "scan": True}),
+    # contexts forced at degree 2 (DecomposeOptions(force_degree=2, region_degree=None)): at the
+    # CPU row's tiny width nothing is exposed, so nothing would be split otherwise
+    "maxtext mixtral 8 experts, ep8 scan, 8 CPU devices, decompose forced": (
+        "maxtext", "optimize", {"block": "mixtral", "expert": 8, "fsdp": 1, "tensor": 1, "scan": True,
+                                "options": {"decompose": {"force_degree": 2, "region_degree": None}}}),
     "hf gpt2 fsdp2 x tp4": ("hf", "target", {}),
     "hf gpt2 fsdp2 x tp4, 8 CPU devices": ("hf", "optimize", {}),
     "penzai llama-like fsdp2 x tp4": ("penzai", "target", {}),
@@ -80,6 +97,16 @@ COLUMNS = ("case", "trainer", "entry", "status", "stock_us", "ours_us", "gain", 
            "robust_changed", "fallback", "cut", "check", "model")
 
 
+def case_options(settings: dict, **kwargs):
+    """``concerto_jax.Options(passes=PASSES, **kwargs)`` with a case's ``"options"`` (group ->
+    field -> value: ``{"deviceless": {"robust": ()}}``, ``{"decompose": {"force_degree": 2}}``)."""
+    import concerto_jax
+
+    groups = {"deviceless": concerto_jax.DevicelessOptions, "decompose": concerto_jax.DecomposeOptions}
+    extra = {name: groups[name](**fields) for name, fields in settings.get("options", {}).items()}
+    return concerto_jax.Options(passes=PASSES, **kwargs, **extra)
+
+
 def _optimize_row(rep, same: bool, wall: float, steps: int, model: str) -> dict:
     """An ``optimize`` row's columns from the step's report and the bitwise comparison ``same``."""
     kept = [r.name for r in rep.passes if r.changed]
@@ -89,7 +116,25 @@ def _optimize_row(rep, same: bool, wall: float, steps: int, model: str) -> dict:
     return {"status": status, "first_s": round(wall, 1),
             "check": (f"bitwise over {steps} steps: {same} (declared tolerance {tolerance:g}); "
                       f"{rep.first_step_check}; passes kept {kept}; optimized={rep.optimized}"),
+            "decompose": split_kinds(rep.passes),
             "fallback": rep.fallback_reason or "", "model": model}
+
+
+def split_kinds(passes) -> str:
+    """What ``decompose`` split, by the kind of each split's collective (its record's
+    ``decomposed``: "contexts: 2 all-to-all, 1 all-reduce split"; a region is named by the
+    collective it grew from), or "nothing split" ("" where it did not run)."""
+    dec = next((p for p in passes if p.name == "decompose"), None)
+    if dec is None:
+        return ""
+    kinds: dict[str, int] = {}
+    for d in dec.stats.get("decomposed") or ():
+        kind = d["collective"].split(".")[0]
+        kinds[kind] = kinds.get(kind, 0) + 1
+    if not kinds:
+        return "nothing split" + (f" ({len(dec.stats['dropped'])} dropped)" if dec.stats.get("dropped") else "")
+    return (f"{dec.stats.get('strategy', '?')}: " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+            + " split")
 
 
 # -- MaxText -----------------------------------------------------------------------------
@@ -313,7 +358,7 @@ def _maxtext_optimize(settings: dict, steps: int = 2) -> dict:
                    for b, x in zip(ref, jax.tree.leaves(args[0]), strict=True) if x.dtype == np.float32):
             return {"status": "error: the original step's state is not finite (the comparison would say nothing)"}
         t0 = time.perf_counter()
-        opt = concerto_jax.optimize(step, concerto_jax.Options(passes=PASSES))
+        opt = concerto_jax.optimize(step, case_options(settings))
         got = run(opt)
         wall = time.perf_counter() - t0
     same = len(ref) == len(got) and all(np.array_equal(a, b) for a, b in zip(ref, got, strict=True))
@@ -470,7 +515,7 @@ def _penzai_optimize(steps: int = 3, seq: int = 128) -> dict:
 
 
 # -- one row in a fresh process ------------------------------------------------------------
-def _target_row(build, cluster: str = TARGET) -> dict:
+def _target_row(build, cluster: str = TARGET, settings: dict | None = None) -> dict:
     import contextlib
 
     import concerto_jax
@@ -485,7 +530,7 @@ def _target_row(build, cluster: str = TARGET) -> dict:
         compile_lowered(lower_for_target(step.trace(*args, **kwargs)), get_cluster(cluster))
         stock_s = time.perf_counter() - t0
         cache = tempfile.mkdtemp(prefix="concerto_third_party_cache_")
-        options = concerto_jax.Options(passes=PASSES, target=cluster, cache_dir=cache)
+        options = case_options(settings or {}, target=cluster, cache_dir=cache)
         t0 = time.perf_counter()
         res = concerto_jax.compile_for_target(step, *args, target=cluster, options=options, **kwargs)
         first_s = time.perf_counter() - t0
@@ -512,7 +557,7 @@ def _worker(case: str, emb: int, layers: int, seq: int) -> dict:
     if trainer == "maxtext" and entry == "optimize":
         return _maxtext_optimize(settings)
     if trainer == "maxtext":
-        return _target_row(lambda: _maxtext_step(settings, emb, layers, seq))
+        return _target_row(lambda: _maxtext_step(settings, emb, layers, seq), settings=settings)
     if trainer == "penzai" and entry == "optimize":
         return _penzai_optimize()
     if trainer == "penzai":

@@ -64,3 +64,34 @@ def test_penzai_target_row_builds_a_step_compile_for_target_accepts():
     res = concerto_jax.compile_for_target(step, *args, target=third_party.TARGET, options=options, **kwargs)
     assert res.fallback_reason is None, res.fallback_reason
     assert 0 < res.final_step_us <= res.stock_step_us
+
+
+def test_a_case_s_options_reach_options_groups_and_the_split_column_names_what_was_split():
+    import concerto_jax
+    from concerto_jax.report import PassRecord
+
+    entry = third_party.CASES["maxtext mixtral 8 experts, ep8 scan, decompose entry only, unbounded search"][2]
+    opts = third_party.case_options(entry, target=third_party.TARGET)
+    assert opts.passes == third_party.PASSES and opts.deviceless.time_budget_s is None
+    assert opts.decompose == concerto_jax.DecomposeOptions(loop_bodies=False)
+    assert opts.deviceless.robust == concerto_jax.DevicelessOptions().robust
+    forced = third_party.CASES["maxtext mixtral 8 experts, ep8 scan, 8 CPU devices, decompose forced"][2]
+    opts = third_party.case_options(forced)
+    assert (opts.decompose.force_degree, opts.decompose.region_degree) == (2, None)
+    assert opts.deviceless == concerto_jax.DevicelessOptions()
+    assert third_party.case_options({}) == concerto_jax.Options(passes=third_party.PASSES)
+
+    record = PassRecord("decompose", True, 1.0, stats={"strategy": "contexts", "decomposed": [
+        {"collective": "all-to-all.1"}, {"collective": "all-to-all"}, {"collective": "all-gather.7"}]})
+    assert third_party.split_kinds([record]) == "contexts: 1 all-gather, 2 all-to-all split"
+    assert third_party.split_kinds([PassRecord("decompose", False, 1.0, stats={"decomposed": []})]) == "nothing split"
+    assert third_party.split_kinds([PassRecord("schedule", True, 1.0)]) == ""
+
+
+@pytest.mark.skipif(third_party._installed("maxtext") is not None, reason="maxtext not installed")
+def test_maxtext_mixtral_step_through_optimize_with_decompose_forced_keeps_the_original_results():
+    case = "maxtext mixtral 8 experts, ep8 scan, 8 CPU devices, decompose forced"
+    row = third_party.run_case(case, 256, 2, 128, timeout_s=1800)
+    assert row["status"] == "ok" or row["status"].startswith("fell back"), row
+    if row["status"] == "ok":
+        assert "all-to-all" in row["decompose"], row
