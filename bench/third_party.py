@@ -79,6 +79,11 @@ CASES: dict[str, tuple[str, str, dict]] = {
         "maxtext", "target", {"block": "mixtral", "expert": 8, "fsdp": 1, "tensor": 1, "scan": True,
                               "options": {"decompose": {"loop_bodies": False},
                                           "deviceless": {"time_budget_s": None}}}),
+    # MaxText's default MoE path (sparse_matmul: ragged_all_to_all dispatch and combine in a
+    # shard_map, ragged_dot experts, no capacity)
+    "maxtext mixtral 8 experts, ep8 scan, ragged all-to-all": (
+        "maxtext", "target", {"block": "mixtral", "expert": 8, "fsdp": 1, "tensor": 1, "scan": True,
+                              "sparse_matmul": True}),
     "maxtext llama2 fsdp8 scan, 8 CPU devices": ("maxtext", "optimize", {"block": "llama2", "fsdp": 8, "tensor": 1,
                                                                           "scan": True}),
     # contexts forced at degree 2 (DecomposeOptions(force_degree=2, region_degree=None)): at the
@@ -172,7 +177,11 @@ def _maxtext_step(settings: dict, emb: int, layers: int, seq: int, devices=None)
     }
     if settings["block"] == "mixtral":
         overrides.update(num_experts=settings["expert"], num_experts_per_tok=2, base_moe_mlp_dim=2 * emb,
-                         ici_expert_parallelism=settings["expert"], sparse_matmul=False, capacity_factor=1.0)
+                         ici_expert_parallelism=settings["expert"])
+        if settings.get("sparse_matmul"):  # MaxText's default MoE path: ragged_all_to_all, ragged_dot
+            overrides.update(sparse_matmul=True, megablox=False, capacity_factor=-1)
+        else:
+            overrides.update(sparse_matmul=False, capacity_factor=1.0)
     base_yml = os.path.join(os.path.dirname(pyconfig.__file__), "base.yml")
     config = pyconfig.initialize(["train_compile.py", base_yml] + [f"{k}={v}" for k, v in overrides.items()])
     if devices is None:  # the AOT tool's own check (it asks for compile_topology)
