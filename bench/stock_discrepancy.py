@@ -42,11 +42,11 @@ import gzip
 import json
 import logging
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 
+from bench import provenance
 from concerto_jax.costmodel import CostModel, get_cluster
 from concerto_jax.costmodel.collectives import CollectiveCost, bus_factor
 from concerto_jax.costmodel.compute import ComputeOptions
@@ -328,14 +328,6 @@ def compile_modules() -> tuple[dict[str, str], dict]:
     return texts, meta
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__)), check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def write(rows: list[dict], legend: dict, meta: dict, out: str, command: str) -> None:
     import jax
 
@@ -345,7 +337,7 @@ def write(rows: list[dict], legend: dict, meta: dict, out: str, command: str) ->
     ind = INDEPENDENT
     lines = [
         "# Stock XLA's TP program: our simulator against an independent model's assumptions (simulated)\n",
-        f"Command: `{command}`; jax {jax.__version__}, commit {meta.get('commit', _commit())}; "
+        f"Command: `{command}`; jax {jax.__version__}, commit {meta.get('commit', provenance.commit())}; "
         f"compile_for_target {meta.get('ours_compile_s', '?')} s and {meta.get('split_compile_s', '?')} s wall "
         f"(seconds: the default plan cache answered an earlier compile of the same step); as it judged "
         f"them: stock {meta.get('stock_step_us')} us, ours {meta.get('ours_step_us')} us, split "
@@ -388,7 +380,7 @@ def main(argv=None) -> int:
             meta = json.load(f)
     else:
         texts, meta = compile_modules()
-        meta["commit"] = _commit()
+        meta["commit"] = provenance.commit()
     if args.save_modules:
         os.makedirs(args.out, exist_ok=True)
         for p, text in texts.items():

@@ -56,6 +56,8 @@ import tempfile
 import time
 import types
 
+from bench import provenance
+
 log = logging.getLogger(__name__)
 
 TARGET = "h100_sxm_8"
@@ -614,19 +616,6 @@ def run_case(case: str, emb: int, layers: int, seq: int, timeout_s: float) -> di
     return {**row, **json.loads(lines[-1][4:])}
 
 
-def _commit() -> str:
-    """This checkout's short commit (``+dirty`` with uncommitted changes), or "?"."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "?"
-    return head + ("+dirty" if dirty else "")
-
-
 def read_table(path: str) -> tuple[dict[str, dict], str]:
     """An earlier ``third_party.csv``'s rows by case, and its ``.md``'s "Command:" line ("" if none)."""
     with open(path, newline="") as f:
@@ -671,7 +660,7 @@ def write(rows: list[dict], out: str, command: str, elapsed: float, notes: list[
     from bench.robust_columns import legend
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
     lines = ["# Third-party trainers' steps: stock XLA vs ours", "",
-             f"Command: `{command}`; {elapsed:.0f} s; jax {jax.__version__}; commit {_commit()}; {date}; "
+             f"Command: `{command}`; {elapsed:.0f} s; jax {jax.__version__}; commit {provenance.commit()}; {date}; "
              f"{os.cpu_count()} CPU cores. Step times simulated (XLA's final modules, our cost model), "
              "not measured on a GPU; compile wall times measured on this machine.", ""]
     lines += [n + "\n" for n in notes]
