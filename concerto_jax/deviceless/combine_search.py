@@ -101,7 +101,8 @@ behind is not worth a compile (the estimates ranked the held-out steps' sizes as
 did, D35; what the scaled estimates missed by is in docs/DECISIONS.md D47)."""
 
 
-def given_is_smallest(current_src: str, env: dict, present, smallest: int) -> bool:
+def given_is_smallest(current_src: str, env: dict, present, smallest: int,
+                      combined: dict | None = None) -> bool:
     """Whether XLA's module of the program at the smallest candidate size is the given one
     (``current_src``, compiled at the given settings ``env``), so that it need not be compiled.
 
@@ -112,9 +113,11 @@ def given_is_smallest(current_src: str, env: dict, present, smallest: int) -> bo
     a data path or another kind, does not depend on the size), and the thresholds are read by
     the combiners alone. An unset threshold is XLA's default (``XLA_DEFAULT_COMBINE_THRESHOLD``,
     or larger ones XLA's heuristics choose for synchronous and pipelined collectives).
+    ``combined``: ``collectives_by_kind``'s count of ``current_src`` where the caller has it.
     """
-    combined: dict = {}
-    collectives_by_kind(current_src, combined)
+    if combined is None:
+        combined = {}
+        collectives_by_kind(current_src, combined)
     if any(combined.get(k) for k in present):
         return False
     for kind in present:
@@ -183,7 +186,8 @@ def tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: flo
     t0 = time.perf_counter()
     progress = Progress(log, "compile_for_target: combine thresholds")
     sizes = tuple(int(b) for b in options.deviceless.combine_thresholds)
-    given, given_buckets = collectives_by_kind(current_src)
+    given_combined: dict = {}
+    given, given_buckets = collectives_by_kind(current_src, given_combined)
     present = [k for k in COMBINED_KINDS if given[k] > 0]
     tried: list[dict] = []
     skipped: list[dict] = []
@@ -248,7 +252,7 @@ def tune_combiners(scheduled_at, env: dict, options, cost_model, current_us: flo
     if len(sizes) > 1 and present:
         # the smallest size first: its module is what the others are estimated on
         smallest = dict.fromkeys(COMBINED_KINDS, min(sizes))
-        if given_is_smallest(current_src, env, present, min(sizes)):
+        if given_is_smallest(current_src, env, present, min(sizes), given_combined):
             key = key_of(smallest)
             seen.add(key)
             tried.append({"thresholds": dict(key), "planned_us": round(current_us, 1),
