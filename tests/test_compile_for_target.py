@@ -662,6 +662,12 @@ def test_combine_thresholds_pruned_by_the_estimate(monkeypatch):
     assert rec_w["compiled"] == 2 and "pruned_by_estimate" not in rec_w, rec_w
     assert [c["thresholds"] for c in rec_w["candidates"]][1:] == \
         [c["thresholds"] for c in cands][1:] + [p["thresholds"] for p in pruned]
+    # a margin every candidate exceeds: the best-estimated one is left out, recorded, not compiled
+    monkeypatch.setattr(combine_search, "ESTIMATE_PRUNE_MARGIN", -0.99)
+    none = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=opts)
+    rec_n = next(p for p in none.passes if p.name == "combine_thresholds").stats
+    assert rec_n["compiled"] == 1 and len(rec_n["pruned_by_estimate"]) == 1, rec_n
+    assert rec_n["pruned_by_estimate"][0]["thresholds"] == rec_w["candidates"][1]["thresholds"]
     with pytest.raises(ValueError, match="combine_compiles"):
         concerto_jax.Options(deviceless=concerto_jax.DevicelessOptions(combine_compiles=-1))
 
