@@ -57,12 +57,12 @@ class DevicelessOptions:
     # The memory the "schedule" pass may plan with. "xla": up to the
     # limit XLA's own GPU scheduler holds itself to on the target ((80 % of the device's
     # memory - parameter and output bytes) x xla_gpu_memory_limit_slop_factor %, 95 by
-    # default), never below the peak of XLA's order; the plan under that budget and the
-    # plan held to XLA's order's peak are both judged and the faster kept (the schedule
-    # record says which, with both peaks). "input": never above the peak of XLA's order
-    # (Options.scheduler's limit alone). With "xla" and control flow, each computation
-    # plans within its share of the budget (entry 1/2, a loop body 1/4, nested 1/8, ...:
-    # ``judge.budget_share``), never below its input order's peak.
+    # default), never below the peak of XLA's order. "input": never above the peak of XLA's
+    # order (Options.scheduler's limit alone). "both": the two plans are judged and the faster
+    # kept (the schedule record's memory_candidates, with both peaks; a second solve per plan,
+    # which never won on the steps measured: docs/DECISIONS.md D48). With "xla" and control
+    # flow, each computation plans within its share of the budget (entry 1/2, a loop body
+    # 1/4, nested 1/8, ...: ``judge.budget_share``), never below its input order's peak.
     memory_budget: str = "xla"
     # The cost models decisions that trade extra kernels or bytes for
     # hidden communication are judged under (costmodel.envelope.ENVELOPE: the nominal model and
@@ -88,8 +88,8 @@ class DevicelessOptions:
                 isinstance(self.time_budget_s, bool) or not isinstance(self.time_budget_s, (int, float))
                 or not self.time_budget_s > 0):
             raise ValueError(f"time_budget_s must be seconds > 0, 'auto' or None, got {self.time_budget_s!r}")
-        if self.memory_budget not in ("xla", "input"):
-            raise ValueError(f"memory_budget must be 'xla' or 'input', got {self.memory_budget!r}")
+        if self.memory_budget not in ("xla", "input", "both"):
+            raise ValueError(f"memory_budget must be 'xla', 'input' or 'both', got {self.memory_budget!r}")
         if not isinstance(self.robust, tuple) or not all(isinstance(v, Variant) for v in self.robust):
             raise TypeError(f"robust must be a tuple of costmodel.envelope.Variant (() : off), got "
                             f"{self.robust!r}")

@@ -72,7 +72,7 @@ def memory_budget(scheduled_src: str | None, options, cost_model) -> int | None:
     (``xla_scheduler_memory_limit``) when ``plan_on`` should plan within it too; None where
     it should not (``Options.deviceless.memory_budget="input"``, no "schedule" pass, or a scheduler
     limit the user set in bytes or turned off)."""
-    if (scheduled_src is None or options.deviceless.memory_budget != "xla" or "schedule" not in options.passes
+    if (scheduled_src is None or options.deviceless.memory_budget == "input" or "schedule" not in options.passes
             or options.scheduler.memory_limit_bytes is not None
             or options.scheduler.memory_limit_ratio is None):
         return None
@@ -85,11 +85,12 @@ def plan_on(scheduled_src: str, options, cost_model, seconds: dict,
     """Our order of XLA's scheduled module ``scheduled_src`` when "schedule" runs (else as is),
     judged (``judge.judge_module``).
 
-    With a ``budget`` (``memory_budget``) the module is planned twice, held to the peak
-    of XLA's order (``options.scheduler``'s limit) and within that budget, the limit XLA's
-    own scheduler has on the target; the faster plan by the judge is kept (the first on a
-    tie). The scheduler's own objective has no overlap
-    slowdown, so more memory (more overlap) does not always judge faster.
+    With a ``budget`` (``memory_budget``) the module is planned within that budget, the limit
+    XLA's own scheduler has on the target (``Options.deviceless.memory_budget="xla"``); with
+    ``memory_budget="both"`` it is planned twice, held to the peak of XLA's order
+    (``options.scheduler``'s limit) and within the budget, and the faster plan by the judge is
+    kept (the held one on a tie): the scheduler's own objective has no overlap slowdown, so
+    more memory (more overlap) need not judge faster (docs/DECISIONS.md D17, D48).
 
     Returns:
       A ``Plan`` (``memory`` empty without schedule).
@@ -99,25 +100,30 @@ def plan_on(scheduled_src: str, options, cost_model, seconds: dict,
     """
     if "schedule" not in options.passes:
         return Plan(scheduled_src, judge_module(scheduled_src, cost_model), None, {})
-    plan = plan_once(scheduled_src, options, cost_model, seconds)
     if budget is None:
-        return plan
-    limit = plan.memory.get("memory_limit_bytes")
-    tried = [{"memory_limit_bytes": limit, "planned_us": round(plan.judged.us, 1),
-              "peak_bytes": plan.memory.get("peak_bytes")}]
-    if limit is not None and budget > limit:
-        wide = plan_once(scheduled_src, dataclasses.replace(options, scheduler=dataclasses.replace(
-            options.scheduler, memory_budget_bytes=budget)), cost_model, seconds,
-            same_as=plan)
-        tried.append({"memory_limit_bytes": wide.memory.get("memory_limit_bytes"),
-                      "planned_us": round(wide.judged.us, 1),
-                      "peak_bytes": wide.memory.get("peak_bytes")})
-        if wide.judged.us < plan.judged.us:
-            plan = wide
+        return plan_once(scheduled_src, options, cost_model, seconds)
+    within = dataclasses.replace(options, scheduler=dataclasses.replace(
+        options.scheduler, memory_budget_bytes=budget))
+    extra: dict = {}
+    if options.deviceless.memory_budget == "both":
+        plan = plan_once(scheduled_src, options, cost_model, seconds)
+        limit = plan.memory.get("memory_limit_bytes")
+        tried = [{"memory_limit_bytes": limit, "planned_us": round(plan.judged.us, 1),
+                  "peak_bytes": plan.memory.get("peak_bytes")}]
+        if limit is not None and budget > limit:
+            wide = plan_once(scheduled_src, within, cost_model, seconds, same_as=plan)
+            tried.append({"memory_limit_bytes": wide.memory.get("memory_limit_bytes"),
+                          "planned_us": round(wide.judged.us, 1),
+                          "peak_bytes": wide.memory.get("peak_bytes")})
+            if wide.judged.us < plan.judged.us:
+                plan = wide
+        extra["memory_candidates"] = tried
+    else:
+        plan = plan_once(scheduled_src, within, cost_model, seconds)
     rec = plan.record
     return dataclasses.replace(plan, record=dataclasses.replace(rec, stats={
-        **rec.stats, "memory_budget": "xla", "xla_memory_limit_bytes": budget,
-        "memory_candidates": tried}))
+        **rec.stats, "memory_budget": options.deviceless.memory_budget, "xla_memory_limit_bytes": budget,
+        **extra}))
 
 
 def plan_once(scheduled_src: str, options, cost_model, seconds: dict, same_as: Plan | None = None) -> Plan:
