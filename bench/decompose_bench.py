@@ -47,6 +47,9 @@ COLUMNS = ("case", "cluster",
            # adds (bench.robust_columns; nominal_gain = sad_gain)
            "worst_gain", "worst_variant", "adverse_gain", "calibrated_gain", "stock_kernels", "ours_kernels", "added_kernels",
            "added_mb",
+           # every decision of S+AD's compile judged over the plausible cost models: kept or
+           # dropped, nominal and worst-case gain, the model giving the worst (bench.robust_columns)
+           "decisions",
            # XLA's combine thresholds compile_for_target chose for S+AD
            # (Options.deviceless.combine_thresholds;
            # empty: XLA's defaults kept) and stock XLA compiled with the same thresholds
@@ -327,6 +330,7 @@ def run_case(case, final_module: bool = True, split_copies: str = "estimate",
 
     robust = robust_columns.columns(results["sad"].stock_final_text, results["sad"].final_text, case.cluster)
     row.update({k: v for k, v in robust.items() if k != "nominal_gain"})
+    row["decisions"] = robust_columns.decisions(results["sad"])
     from bench import rewrite_column
 
     row.update(rewrite_column.columns(c.step, (c.abstract_state, c.abstract_batch), case.cluster, stock,

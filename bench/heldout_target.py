@@ -54,8 +54,8 @@ COLUMNS = ("layout", "cluster", "mesh", "scanned", "status", "stock_us", "ours_u
            "worst_gain", "worst_variant", "adverse_gain", "calibrated_gain", "stock_kernels", "ours_kernels", "added_kernels",
            "added_mb",
            # decisions the worst-case rule took otherwise than the nominal model (Options.deviceless.robust),
-           # and the seconds its judgement took in the compile
-           "robust_changed", "robust_s",
+           # and the seconds its judgement took in the compile; every judged decision with its worst case
+           "robust_changed", "robust_s", "decisions",
            "stock_compute_us", "ours_compute_us", "stock_comm_us", "ours_comm_us", "bound_us",
            "decomposed", "guard", "peak_mb", "limit_mb", "wall_s")
 
@@ -208,6 +208,7 @@ def run_layout(layout: str, layers: int, robust: bool = True, rewrite_column: bo
         **{k: v for k, v in columns.items() if k != "nominal_gain"},
         "robust_changed": robust_columns.robust_changes(res),
         "robust_s": res.seconds.get("robust", ""),
+        "decisions": robust_columns.decisions(res),
         "stock_compute_us": round(stock.compute_us, 1), "ours_compute_us": round(ours.compute_us, 1),
         "stock_comm_us": round(stock.comm_us, 1), "ours_comm_us": round(ours.comm_us, 1),
         "bound_us": round(ours.bound_us, 1),

@@ -13,6 +13,9 @@ what our program costs in kernels and bytes.
 * ``stock_kernels`` / ``ours_kernels``: kernels launched per step by each final module (loop
   bodies times their trip counts; collectives not counted), ``added_kernels`` the difference.
 * ``added_mb``: HBM bytes the kernels of ours move per step minus stock's (MB; negative: fewer).
+* ``decisions`` (``decisions``): every decision the compile judged over the plausible models, in
+  the order taken: kept or dropped, nominal and worst-case gain, and the model giving the worst
+  (the assumption the decision depends on most).
 
 Every figure is a simulation of the two fixed modules (no recompile): about 2 x 15 module
 simulations per case.
@@ -88,6 +91,14 @@ def robust_changes(res) -> str:
     return ("; ".join(f"{v.decision}: {'kept' if v.keep else 'dropped'} ({v.worst_variant} {v.worst_gain}, "
                       f"nominal {v.nominal_gain})" for v in res.robust if v.changed_decision)
             or ("none" if res.robust else "off"))
+
+
+def decisions(res) -> str:
+    """Every decision judged over the plausible cost models (``TargetResult.robust``, in the order
+    taken), one clause each: kept or dropped, its nominal gain and its worst case with the model
+    that gives it (the assumption the decision depends on most). "off" without the rule."""
+    return "; ".join(f"{v.decision}: {'kept' if v.keep else 'dropped'} (nominal {v.nominal_gain}, "
+                     f"worst {v.worst_gain} at {v.worst_variant})" for v in res.robust) or "off"
 
 
 def split_guard(res) -> str:

@@ -293,6 +293,11 @@ def test_final_module_guard_reports_stock_where_a_model_makes_ours_slower():
                                           options=_opts(robust=()))
     assert off.via == "pin" and off.robust == () and off.fallback_reason is None
     assert math.isclose(off.stock_step_us / off.final_step_us, verdict.nominal_gain, abs_tol=2e-4)
+    # the benches' "decisions" column: every judged decision with its worst case and the model
+    from bench.robust_columns import decisions
+    assert decisions(res) == (f"final_module_guard: dropped (nominal {verdict.nominal_gain}, "
+                              f"worst {verdict.worst_gain} at launch_50us)")
+    assert decisions(off) == "off"
 
 
 def test_bench_columns_count_kernels_and_bytes_per_step_by_trips():
