@@ -57,12 +57,14 @@ class DevicelessOptions:
     # The memory the "schedule" pass may plan with. "xla": up to the
     # limit XLA's own GPU scheduler holds itself to on the target ((80 % of the device's
     # memory - parameter and output bytes) x xla_gpu_memory_limit_slop_factor %, 95 by
-    # default), never below the peak of XLA's order. "input": never above the peak of XLA's
-    # order (Options.scheduler's limit alone). "both": the two plans are judged and the faster
-    # kept (the schedule record's memory_candidates, with both peaks; a second solve per plan,
-    # which never won on the steps measured: docs/DECISIONS.md D48). With "xla" and control
-    # flow, each computation plans within its share of the budget (entry 1/2, a loop body
-    # 1/4, nested 1/8, ...: ``judge.budget_share``), never below its input order's peak.
+    # default), never below the peak of XLA's order; every decision compares plans within that
+    # limit, and the chosen program is also planned held to the peak of XLA's order, the faster
+    # of its two plans kept (the schedule record's memory_candidates, with both peaks).
+    # "input": never above the peak of XLA's order (Options.scheduler's limit alone). "both":
+    # every plan of every decision made both ways (a second solve per plan; docs/DECISIONS.md
+    # D48). With "xla" and control flow, each computation plans within its share of the
+    # budget (entry 1/2, a loop body 1/4, nested 1/8, ...: ``judge.budget_share``), never
+    # below its input order's peak.
     memory_budget: str = "xla"
     # The cost models decisions that trade extra kernels or bytes for
     # hidden communication are judged under (costmodel.envelope.ENVELOPE: the nominal model and

@@ -783,45 +783,76 @@ ENTRY %main (a: f32[1024,1024], b: bf16[2048]) -> (f32[1024,1024], f32[]) {
 
 
 @needs_plugin
-def test_memory_budget_plans_within_xlas_limit_held_or_both():
-    """memory_budget="xla" (default): one plan, within XLA's own scheduler limit on the target;
-    "input": one plan held to the peak of XLA's order; "both": the two judged, the faster kept
-    (and the same two plans as the single settings give)."""
+def test_memory_budget_plans_within_xlas_limit_and_keeps_the_faster():
+    """memory_budget="xla" (default): the chosen program's plan held to the peak of XLA's order and
+    its plan within XLA's own scheduler limit on the target are both judged, the faster kept (the
+    decisions before compare plans within the limit: test_held_plan_only_for_the_chosen_program);
+    "input" plans the first alone."""
     import hlo_passes
     from concerto_jax.costmodel import get_cluster
     from concerto_jax.deviceless.planning import xla_scheduler_memory_limit
 
     step, args = _dp_mlp(fsdp=True)
     base = concerto_jax.Options(passes=("schedule",), fallback=False, deviceless=NO_THRESHOLD_SEARCH)
-
-    def run(budget):
-        res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=dataclasses.replace(
-            base, deviceless=dataclasses.replace(base.deviceless, memory_budget=budget)))
-        return res, next(p for p in res.passes if p.name == "schedule").stats
-
-    res, rec = run("xla")
+    res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=base)
+    rec = next(p for p in res.passes if p.name == "schedule").stats
     budget = xla_scheduler_memory_limit(hlo_passes.parse_module(res.emitted_text),
                                         get_cluster("h100_sxm_8").gpu_spec)
     assert rec["memory_budget"] == "xla" and rec["xla_memory_limit_bytes"] == budget
-    assert "memory_candidates" not in rec
-    assert rec["input_peak_bytes"] < rec["memory_limit_bytes"] == budget
-    assert rec["peak_bytes"] <= budget and res.memory_limit_bytes == budget
-    only, rec_only = run("input")
-    assert "memory_candidates" not in rec_only and "xla_memory_limit_bytes" not in rec_only
-    assert rec_only["memory_limit_bytes"] == rec_only["input_peak_bytes"] >= rec_only["peak_bytes"]
-    both, rec_both = run("both")
-    held, wide = rec_both["memory_candidates"]
-    assert held["memory_limit_bytes"] == rec_both["input_peak_bytes"] < wide["memory_limit_bytes"] == budget
+    held, wide = rec["memory_candidates"]
+    assert held["memory_limit_bytes"] == rec["input_peak_bytes"] < wide["memory_limit_bytes"] == budget
     for c in (held, wide):
         assert c["peak_bytes"] <= c["memory_limit_bytes"]
-    assert held["planned_us"] == pytest.approx(only.planned_step_us, abs=0.11)
-    assert wide["planned_us"] == pytest.approx(res.planned_step_us, abs=0.11)
     kept = wide if wide["planned_us"] < held["planned_us"] else held
-    assert rec_both["memory_limit_bytes"] == kept["memory_limit_bytes"] and rec_both["peak_bytes"] == kept["peak_bytes"]
-    assert both.planned_step_us == pytest.approx(kept["planned_us"], abs=0.11)
-    assert both.planned_step_us <= min(only.planned_step_us, res.planned_step_us) + 0.11
+    assert rec["memory_limit_bytes"] == kept["memory_limit_bytes"] and rec["peak_bytes"] == kept["peak_bytes"]
+    assert res.planned_step_us == pytest.approx(kept["planned_us"], abs=0.11)
+    assert res.peak_bytes == kept["peak_bytes"] and res.memory_limit_bytes == kept["memory_limit_bytes"]
+    only = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=dataclasses.replace(
+        base, deviceless=dataclasses.replace(base.deviceless, memory_budget="input")))
+    rec_only = next(p for p in only.passes if p.name == "schedule").stats
+    assert "memory_candidates" not in rec_only
+    assert rec_only["memory_limit_bytes"] == rec_only["input_peak_bytes"]
+    assert only.planned_step_us == pytest.approx(held["planned_us"], abs=0.11)
+    assert res.planned_step_us <= only.planned_step_us + 0.11
     with pytest.raises(ValueError, match="memory_budget"):
         concerto_jax.Options(deviceless=concerto_jax.DevicelessOptions(memory_budget="all"))
+
+
+def test_held_plan_only_for_the_chosen_program():
+    """plan_on under "xla" plans within XLA's limit only (every decision's plan); with_held_plan
+    adds the plan held to the peak of XLA's order for the chosen program and keeps the faster (the
+    held one on a tie), which is what "both" gives every plan; "input" has no budget and no second
+    plan."""
+    from concerto_jax.costmodel import CostModel, get_cluster
+    from concerto_jax.deviceless import planning
+
+    text = open(os.path.join(os.path.dirname(__file__), "data", "hlo",
+                             "gpu_transformer_block.after_lhs.hlo")).read()
+    cm = CostModel(get_cluster("h100_sxm_8"))
+
+    def opts(budget):
+        return concerto_jax.Options(passes=("schedule",),
+                                    deviceless=concerto_jax.DevicelessOptions(memory_budget=budget))
+
+    budget = planning.memory_budget(text, opts("xla"), cm)
+    wide = planning.plan_on(text, opts("xla"), cm, {}, budget)
+    assert "memory_candidates" not in wide.record.stats
+    assert wide.memory["memory_limit_bytes"] == budget > wide.memory["input_peak_bytes"]
+    chosen = planning.with_held_plan(wide, text, opts("xla"), cm, {}, budget)
+    held_c, wide_c = chosen.record.stats["memory_candidates"]
+    assert held_c["memory_limit_bytes"] == wide.memory["input_peak_bytes"] and wide_c["memory_limit_bytes"] == budget
+    assert wide_c["planned_us"] == round(wide.judged.us, 1)
+    kept = held_c if held_c["planned_us"] <= wide_c["planned_us"] else wide_c
+    assert chosen.memory["memory_limit_bytes"] == kept["memory_limit_bytes"]
+    assert chosen.judged.us <= wide.judged.us
+    assert planning.with_held_plan(chosen, text, opts("xla"), cm, {}, budget) is chosen  # once
+    both = planning.plan_on(text, opts("both"), cm, {}, planning.memory_budget(text, opts("both"), cm))
+    assert both.record.stats["memory_candidates"] == chosen.record.stats["memory_candidates"]
+    assert both.handed == chosen.handed
+    assert planning.memory_budget(text, opts("input"), cm) is None
+    held = planning.plan_on(text, opts("input"), cm, {}, None)
+    assert "memory_candidates" not in held.record.stats
+    assert planning.with_held_plan(held, text, opts("input"), cm, {}, None) is held
 
 
 @needs_plugin

@@ -83,14 +83,14 @@ def memory_budget(scheduled_src: str | None, options, cost_model) -> int | None:
 def plan_on(scheduled_src: str, options, cost_model, seconds: dict,
              budget: int | None = None) -> Plan:
     """Our order of XLA's scheduled module ``scheduled_src`` when "schedule" runs (else as is),
-    judged (``judge.judge_module``).
+    judged (``judge.judge_module``): the plan every decision of a ``compile_for_target`` call
+    compares.
 
     With a ``budget`` (``memory_budget``) the module is planned within that budget, the limit
-    XLA's own scheduler has on the target (``Options.deviceless.memory_budget="xla"``); with
-    ``memory_budget="both"`` it is planned twice, held to the peak of XLA's order
-    (``options.scheduler``'s limit) and within the budget, and the faster plan by the judge is
-    kept (the held one on a tie): the scheduler's own objective has no overlap slowdown, so
-    more memory (more overlap) need not judge faster (docs/DECISIONS.md D17, D48).
+    XLA's own scheduler has on the target; with ``memory_budget="both"`` it is also planned held
+    to the peak of XLA's order (``options.scheduler``'s limit) and the faster by the judge is
+    kept (the held one on a tie). Under ``"xla"`` the held plan is made for the chosen program
+    only (``with_held_plan``; docs/DECISIONS.md D17, D48).
 
     Returns:
       A ``Plan`` (``memory`` empty without schedule).
@@ -104,26 +104,38 @@ def plan_on(scheduled_src: str, options, cost_model, seconds: dict,
         return plan_once(scheduled_src, options, cost_model, seconds)
     within = dataclasses.replace(options, scheduler=dataclasses.replace(
         options.scheduler, memory_budget_bytes=budget))
-    extra: dict = {}
-    if options.deviceless.memory_budget == "both":
-        plan = plan_once(scheduled_src, options, cost_model, seconds)
-        limit = plan.memory.get("memory_limit_bytes")
-        tried = [{"memory_limit_bytes": limit, "planned_us": round(plan.judged.us, 1),
-                  "peak_bytes": plan.memory.get("peak_bytes")}]
-        if limit is not None and budget > limit:
-            wide = plan_once(scheduled_src, within, cost_model, seconds, same_as=plan)
-            tried.append({"memory_limit_bytes": wide.memory.get("memory_limit_bytes"),
-                          "planned_us": round(wide.judged.us, 1),
-                          "peak_bytes": wide.memory.get("peak_bytes")})
-            if wide.judged.us < plan.judged.us:
-                plan = wide
-        extra["memory_candidates"] = tried
-    else:
-        plan = plan_once(scheduled_src, within, cost_model, seconds)
+    plan = plan_once(scheduled_src, within, cost_model, seconds)
     rec = plan.record
-    return dataclasses.replace(plan, record=dataclasses.replace(rec, stats={
+    plan = dataclasses.replace(plan, record=dataclasses.replace(rec, stats={
+        **rec.stats, "memory_budget": options.deviceless.memory_budget, "xla_memory_limit_bytes": budget}))
+    if options.deviceless.memory_budget == "both":
+        plan = with_held_plan(plan, scheduled_src, options, cost_model, seconds, budget)
+    return plan
+
+
+def with_held_plan(plan: Plan, scheduled_src: str, options, cost_model, seconds: dict,
+                   budget: int | None) -> Plan:
+    """``plan`` (``plan_on``'s, within ``budget``) or the plan of the same module held to the peak
+    of XLA's order, whichever the judge finds faster (the held one on a tie), with both in the
+    schedule record's ``memory_candidates``. The held plan has less overlap; the scheduler's
+    objective has no overlap slowdown, and XLA's passes after its scheduler treat the two orders
+    differently, so it is sometimes the faster (D17, D48). ``plan`` itself where there is no
+    budget, no schedule record, or the budget is not above the held limit."""
+    if budget is None or plan.record is None or "memory_candidates" in plan.record.stats:
+        return plan
+    limit = options.scheduler.memory_limit_for(plan.memory.get("input_peak_bytes"))
+    if limit is None or budget <= limit:
+        return plan
+    held = plan_once(scheduled_src, options, cost_model, seconds, same_as=plan)
+    tried = [{"memory_limit_bytes": limit, "planned_us": round(held.judged.us, 1),
+              "peak_bytes": held.memory.get("peak_bytes")},
+             {"memory_limit_bytes": plan.memory.get("memory_limit_bytes"),
+              "planned_us": round(plan.judged.us, 1), "peak_bytes": plan.memory.get("peak_bytes")}]
+    kept = held if held.judged.us <= plan.judged.us else plan
+    rec = kept.record
+    return dataclasses.replace(kept, record=dataclasses.replace(rec, stats={
         **rec.stats, "memory_budget": options.deviceless.memory_budget, "xla_memory_limit_bytes": budget,
-        **extra}))
+        "memory_candidates": tried}))
 
 
 def plan_once(scheduled_src: str, options, cost_model, seconds: dict, same_as: Plan | None = None) -> Plan:

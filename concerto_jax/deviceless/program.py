@@ -540,6 +540,9 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, *, env: di
             tuned_record = dataclasses.replace(tuned_record, stats={**tuned_record.stats, "budget": clock.summary()})
         records.append(tuned_record)
     _dump(options.dump_dir, "xla_scheduled.hlo", scheduled_src)
+    t0 = time.perf_counter()
+    plan = planning.with_held_plan(plan, scheduled_src, options, cost_model, seconds, budget)
+    seconds["held_plan"] = time.perf_counter() - t0
     if plan.record is not None:
         records.append(plan.record)
     handed = plan.handed
