@@ -19,6 +19,14 @@ Entries (``plan_store``: atomic directories, checksummed blobs):
                 fails is rejected: ours is compiled from the plan's text
     target      a ``TargetResult``'s texts and figures (not one that fell back on an error);
                 every module in it must parse, the handed one pass the verifier
+    route       ``optimize``'s GPU route (``gpu_route.route.build``): its plan
+                (``Plan.to_json()``) and the backend's serialized executable with what it was
+                compiled for (one process). A hit skips the plan and the backend compile; JAX's
+                stock compile of the step still runs (the header ours is loaded behind, and the
+                post-SPMD module, which must equal the stored one), the handed module must parse
+                and pass the IR verifier, and the load's own checks (device count, compute
+                capability, entry layouts) run as on a miss; a load they refuse rejects the
+                entry and the step is built again
 
 Under ``jax.distributed`` every process captures as without a cache; process 0 alone reads and
 writes the cache inside ``multiprocess.leader_decides`` (a hit only if the stored captured
@@ -337,6 +345,76 @@ def _json_scalar(value):
     if hasattr(value, "item") and hasattr(value, "dtype"):  # numpy scalars in pass statistics
         return value.item()
     raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+# -- optimize's GPU route ------------------------------------------------------------------------
+
+class RouteCache:
+    """The cache of one build of ``optimize``'s GPU route: ``lookup`` (the stored plan and
+    payload fields), ``save`` and ``reject``. Made by ``open_route``."""
+
+    def __init__(self, store: PlanStore, parts: dict):
+        self.store, self.parts = store, parts
+        self.key = key_of(parts)
+
+    def lookup(self, post_spmd: str) -> tuple[dict, dict] | None:
+        """``(plan json, payload fields)`` of the stored build of this step, verified against
+        this stock compile's post-SPMD module; None on a miss or a rejected entry."""
+        entry = self.store.read("route", self.parts)
+        if entry is None:
+            return None
+        try:
+            plan = json.loads(entry.blobs["plan.json"])
+            if without_source_locations(entry.blobs["post_spmd.hlo"].decode()) != without_source_locations(post_spmd):
+                raise ValueError("its post-SPMD module differs from the one this step's compile wrote")
+            verify(parse_module(plan["handed"], source="plan cache handed"))
+            if hashlib.sha256(plan["handed"].encode()).hexdigest() != plan["sha256"]:
+                raise ValueError("its handed module's SHA-256 is not the recorded one")
+            meta = entry.meta
+            payload = {"data": entry.blobs["executable.pjrt"], "num_devices": int(meta["num_devices"]),
+                       "replicated": bool(meta["replicated"]), "compute_capability": meta["compute_capability"],
+                       "final_text": entry.blobs["final.hlo"].decode(),
+                       "compile_options": entry.blobs["compile_options.pb"]}
+        except Exception as e:  # noqa: BLE001 - whatever is wrong, the entry is not trusted
+            self.reject(f"it does not verify ({type(e).__name__}: {str(e)[:300]})")
+            return None
+        log.info("plan cache hit: %s", self.store.path("route", self.key))
+        return plan, payload
+
+    def reject(self, why: str) -> None:
+        self.store.reject("route", self.key, why)
+
+    def save(self, post_spmd: str, plan_json: dict, payload) -> None:
+        """Store a built step: its post-SPMD module, plan and ``payload`` (``gpu_route.Payload``)."""
+        try:
+            blobs = {"post_spmd.hlo": post_spmd.encode(), "plan.json": json.dumps(plan_json).encode(),
+                     "executable.pjrt": bytes(payload.data), "final.hlo": payload.final_text.encode(),
+                     "compile_options.pb": bytes(payload.compile_options)}
+        except (TypeError, ValueError) as e:
+            log.info("plan cache: the route's build is not stored (%s: %s)", type(e).__name__, e)
+            return
+        self.store.write("route", self.parts, blobs, {
+            "num_devices": payload.num_devices, "replicated": payload.replicated,
+            "compute_capability": payload.compute_capability})
+
+
+def open_route(lowered, options, backend: str) -> RouteCache | None:
+    """The plan cache of a GPU-route build of ``lowered`` under ``options`` on ``backend`` (its
+    name), or None where it is off: no cache directory, a pass registered at run time, more than
+    one process (the route's plan is the leader's; not cached there yet), or a step that cannot
+    be keyed."""
+    if jax.process_count() > 1:
+        return None
+    try:
+        store = _store(options, "GPU route build")
+        if store is None:
+            return None
+        parts = {"program": program_part(lowered), "options": options_part(options),
+                 "code": code_part(), "backend": backend}
+    except Exception as e:  # noqa: BLE001 - no key: build as without a cache
+        log.info("plan cache off for this GPU route build (%s: %s)", type(e).__name__, str(e)[:200])
+        return None
+    return RouteCache(store, parts)
 
 
 def open_target(lowered, cluster, options, **settings) -> TargetCache | None:

@@ -26,6 +26,7 @@ from tests.test_optimize import _mesh, _mlp_step
 needs_plugin = pytest.mark.skipif(not gpu_plugin_available(),
                                   reason="CUDA PJRT plugin missing: pip install -e .[gpu]")
 SCHEDULE = concerto_jax.Options(passes=("schedule",))
+SCHEDULE_NO_CACHE = concerto_jax.Options(passes=("schedule",), cache_dir=None)
 
 
 def _fallbacks(caught):
@@ -154,6 +155,60 @@ def test_a_failed_stage_falls_back_with_one_warning_naming_it(monkeypatch, stage
     with route.rehearse(), pytest.raises(GpuRouteError) as err:
         strict(*make_args(0))
     assert err.value.stage == stage
+
+
+def test_a_restarted_job_reuses_the_plan_and_our_executable(tmp_path):
+    """The plan cache's route entry: a second ``optimize`` of the same step (what a restarted job
+    builds) skips the plan and the backend compile, loads the stored executable behind its own
+    stock compile's header, and runs bitwise, its first step checked as on a miss."""
+    step, make_args = _mlp_step(_mesh())
+    opts = concerto_jax.Options(passes=("schedule",), cache_dir=str(tmp_path))
+    ref = step(*make_args(0))
+    reports = []
+    with route.rehearse():
+        for _ in range(2):
+            opt = concerto_jax.optimize(step, opts)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                assert_tree_bitwise(opt(*make_args(0)), ref)
+            assert not _fallbacks(caught), [str(w.message) for w in caught]
+            reports.append(opt.report())
+    first, second = reports
+    assert {"plan", "backend_compile"} <= set(first.stage_seconds) and "plan_cache" not in first.stage_seconds
+    assert "plan_cache" in second.stage_seconds
+    assert not {"plan", "target_config", "backend_compile"} & set(second.stage_seconds)
+    assert second.optimized and second.first_step_check.startswith("ran: outputs equal the original's (bitwise)")
+    assert [(p.name, p.changed) for p in second.passes] == [(p.name, p.changed) for p in first.passes]
+    assert len(list(tmp_path.glob("entries/route/*/*/manifest.json"))) == 1
+
+
+def test_a_cached_executable_the_load_refuses_is_rejected_and_the_step_built_again(tmp_path):
+    """A route entry whose executable the load's checks refuse (here: compiled for 4 devices, the
+    step has 8) is dropped with one PlanCacheWarning and the step is built as without a cache; the
+    build stores a good entry, which the next build reads."""
+    from concerto_jax import plan_cache
+    from concerto_jax.plan_store import PlanCacheWarning
+
+    step, make_args = _mlp_step(_mesh())
+    opts = concerto_jax.Options(passes=("schedule",), cache_dir=str(tmp_path))
+    built = route.build(step, make_args(0), {}, opts, CpuRehearsal())
+    again = route.build(step, make_args(0), {}, opts, CpuRehearsal())
+    assert "plan_cache" in again.seconds and "backend_compile" not in again.seconds
+    assert again.plan.handed == built.plan.handed and again.payload.data == built.payload.data
+    step4, make4 = _mlp_step(_mesh((1, 4)))
+    small = route.build(step4, make4(0), {}, SCHEDULE_NO_CACHE, CpuRehearsal())
+    cache = plan_cache.open_route(step.lower(*make_args(0)), opts, CpuRehearsal.name)
+    cache.store.remove("route", cache.key)
+    cache.save(built.stock.post_spmd, built.plan.to_json(), small.payload)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rebuilt = route.build(step, make_args(0), {}, opts, CpuRehearsal())
+    refused = [w for w in caught if issubclass(w.category, PlanCacheWarning)]
+    assert len(refused) == 1 and "its executable was refused" in str(refused[0].message)
+    assert "backend_compile" in rebuilt.seconds and rebuilt.payload.num_devices == 8
+    assert_tree_bitwise(rebuilt.compiled(*make_args(1)), step(*make_args(1)))
+    last = route.build(step, make_args(0), {}, opts, CpuRehearsal())
+    assert "plan_cache" in last.seconds and last.payload.num_devices == 8
 
 
 # -- negative cases: a clear error before the runtime sees the bytes, and a fallback ------------

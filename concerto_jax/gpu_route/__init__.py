@@ -29,6 +29,12 @@ D10) and the executable comes back into JAX through serialization. Stages (any f
     swap             JAX's MeshExecutable with our executable: JAX's calling convention
                      (donation, weak types, shardings, unused arguments)
 
+With the plan cache (``Options.cache_dir``; one process) a later build of the same step,
+options, devices, code and JAX reads the plan and the serialized executable an earlier build
+stored (``plan_cache``'s route entries): plan, target_config and backend_compile are skipped,
+every other stage runs; an executable the load refuses drops the entry and the step is built
+anew.
+
 Then ``api``'s first-step check (bitwise where only the order changed; the passes' declared
 tolerance otherwise). Every stage's success is agreed by all processes
 (``multiprocess.all_succeeded``): all run ours, or all fall back together.

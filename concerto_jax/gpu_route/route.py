@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from concerto_jax import executor, jax_compat, multiprocess, pipeline
+from concerto_jax import executor, jax_compat, multiprocess, pipeline, plan_cache
 from concerto_jax.capture import Capture
 from concerto_jax.costmodel import CostModel, get_cluster
 from concerto_jax.deviceless import pjrt_c, reschedule
@@ -655,26 +655,39 @@ def build(fn, args: tuple, kwargs: dict, options, backend, *, stock: StockCompil
     """Run the route's stages for one signature (``fn`` jitted, ``args``/``kwargs`` as the
     call's). ``stock``: a stock compile of these arguments already made.
 
+    With the plan cache (``Options.cache_dir``, one process; ``plan_cache.open_route``) a build
+    of the same step, options, devices and code reads the plan and our executable stored by an
+    earlier one: the plan, target config and backend compile stages are skipped (the
+    ``plan_cache`` stage instead); the checksum, load, layout check and swap run as always, and
+    an executable they refuse rejects the entry and the step is built again.
+
     Raises:
       GpuRouteError: a stage failed (on every process alike).
       TypeError / ValueError: JAX rejected the arguments (the user's error, from lowering).
     """
     seconds: dict = {}
     env = dict(options.compiler_options)
+    cache = None
     if stock is None:
         lowered = fn.lower(*args, **kwargs)  # the user's errors propagate
         stock = _joint("stock_compile", seconds, lambda: backend.stock_compile(lowered, env))
+        cache = plan_cache.open_route(lowered, options, backend.name)
     devices = stock.device_list
+    t0 = time.perf_counter()
+    hit = cache.lookup(stock.post_spmd) if cache is not None else None
+    if hit is not None:  # the plan and our executable of an earlier build (plan_cache: route)
+        seconds["plan_cache"] = time.perf_counter() - t0
+        plan, payload = Plan.from_json(hit[0]), Payload(**hit[1])
+    else:
+        def plan_json() -> dict:
+            return backend.plan(stock, options).to_json()
 
-    def plan_json() -> dict:
-        return backend.plan(stock, options).to_json()
-
-    plan = _joint("plan", seconds, lambda: Plan.from_json(
-        multiprocess.leader_decides(stock.post_spmd, plan_json)))
-    target = _joint("target_config", seconds, lambda: backend.target(devices))
-    unloaded = jax_compat.unloaded_executable(stock.compiled)
-    payload = _joint("backend_compile", seconds, lambda: backend.compile(
-        plan, devices, target, env, tuple(unloaded.host_callbacks)))
+        plan = _joint("plan", seconds, lambda: Plan.from_json(
+            multiprocess.leader_decides(stock.post_spmd, plan_json)))
+        target = _joint("target_config", seconds, lambda: backend.target(devices))
+        unloaded = jax_compat.unloaded_executable(stock.compiled)
+        payload = _joint("backend_compile", seconds, lambda: backend.compile(
+            plan, devices, target, env, tuple(unloaded.host_callbacks)))
 
     def checksum() -> None:
         mine = _sha(plan.handed)
@@ -684,12 +697,23 @@ def build(fn, args: tuple, kwargs: dict, options, backend, *, stock: StockCompil
         if not _same_everywhere(mine):
             raise RuntimeError("the processes compiled different modules")
 
-    _joint("checksum", seconds, checksum)
-    loaded = _joint("load", seconds, lambda: load_payload(
-        stock.compiled, payload, override_options=override_options, env=env))
-    _joint("layout_check", seconds, lambda: check_layouts(stock.compiled, loaded))
-    compiled = _joint("swap", seconds, lambda: jax_compat.swapped_step(
-        stock.compiled, loaded, assemble_outputs=False))
+    try:
+        _joint("checksum", seconds, checksum)
+        loaded = _joint("load", seconds, lambda: load_payload(
+            stock.compiled, payload, override_options=override_options, env=env))
+        _joint("layout_check", seconds, lambda: check_layouts(stock.compiled, loaded))
+        compiled = _joint("swap", seconds, lambda: jax_compat.swapped_step(
+            stock.compiled, loaded, assemble_outputs=False))
+    except GpuRouteError as e:
+        if hit is None:
+            raise
+        cache.reject(f"its executable was refused ({e})")  # built again, as without a cache
+        rebuilt = build(fn, args, kwargs, options, backend, stock=stock, override_options=override_options)
+        cache.save(stock.post_spmd, rebuilt.plan.to_json(), rebuilt.payload)
+        rebuilt.seconds.update({k: v for k, v in seconds.items() if k not in rebuilt.seconds})
+        return rebuilt
+    if cache is not None and hit is None:
+        cache.save(stock.post_spmd, plan.to_json(), payload)
     order = order_kept(plan.handed, payload.final_text) if backend.name == "gpu" else {}
     if order and not order["kept"]:
         log.warning("XLA's backend kept %d of %d entry instructions in our order",
