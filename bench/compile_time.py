@@ -7,7 +7,10 @@ process (what a restarted job pays; nothing warm in memory):
   ``compile_for_target`` runs for stock (deviceless GPU target), or, for the CPU rows,
   ``jax.jit``'s first call minus a steady call.
 * ``first_s``: ``compile_for_target`` with ``Options(passes=("decompose", "schedule"))`` and an
-  empty plan cache (CPU rows: ``optimize``'s first call minus a steady call).
+  empty plan cache (CPU rows: ``optimize``'s first call minus a steady call; "GPU route
+  rehearsed" rows: the same through ``optimize``'s GPU route on the CPU devices,
+  ``gpu_route.rehearse()``: its stages, cache and first-step check as on a GPU, XLA:CPU's
+  compiles).
 * ``cached_s``: the same call again in a new process with the cache the first one filled.
 * ``cut``: what ``Options.deviceless.time_budget_s`` (default "auto") left out of the first compile.
 * ``all_s``, ``gain_all`` (``--exhaustive``): the first compile with every combine-threshold
@@ -21,7 +24,7 @@ machine in the same run. Stage times are ``TargetResult.seconds`` of the first c
 Command line::
 
     python -m bench.cli compile_time [--layout NAME ...] [--layers 4] [--cpu-case gpt:dp_tp]
-        [--exhaustive] [--out bench/results]
+        [--route-case gpt:dp_tp] [--exhaustive] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ COLUMNS = ("case", "entry", "stock_s", "first_s", "cached_s", "first_over_stock"
            "cache_hit", "gain", "cut", "all_s", "all_over_stock", "gain_all", "stages_s", "status")
 DEFAULT_LAYOUTS = ("tp", "fsdp", "dp_tp")
 DEFAULT_CPU_CASES = ("gpt:dp_tp",)
+DEFAULT_ROUTE_CASES = ("gpt:dp_tp",)
 PASSES = ("decompose", "schedule")
 
 
@@ -52,7 +56,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--cpu-case", action="append", metavar="MODEL:LAYOUT",
                         help=f"models/ case through optimize on 8 CPU devices (default: {', '.join(DEFAULT_CPU_CASES)})")
+    parser.add_argument("--route-case", action="append", metavar="MODEL:LAYOUT",
+                        help="models/ case through optimize's GPU route rehearsed on 8 CPU devices "
+                             f"(default: {', '.join(DEFAULT_ROUTE_CASES)})")
     parser.add_argument("--no-cpu", action="store_true", help="skip the optimize rows")
+    parser.add_argument("--no-target", action="store_true", help="skip the compile_for_target rows")
     parser.add_argument("--exhaustive", action="store_true",
                         help="also compile each held-out case with every threshold candidate and no time budget "
                              "(all_s, gain_all: what the pruned search is judged against)")
@@ -86,7 +94,9 @@ def _worker_target(kind: str, layout: str, layers: int, cache_dir: str) -> dict:
             "cut": list(res.cut)}
 
 
-def _worker_cpu(kind: str, case_name: str, cache_dir: str) -> dict:
+def _worker_cpu(kind: str, case_name: str, cache_dir: str, rehearse: bool = False) -> dict:
+    import contextlib
+
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
@@ -106,16 +116,19 @@ def _worker_cpu(kind: str, case_name: str, cache_dir: str) -> dict:
     logging.getLogger("concerto_jax").setLevel(logging.INFO)
     step = case.step if kind == "stock" else concerto_jax.optimize(
         case.step, concerto_jax.Options(passes=PASSES, cache_dir=cache_dir))
-    state = case.init_state(0)
-    jax.block_until_ready(state)
-    t0 = time.perf_counter()
-    state, _ = jax.block_until_ready(step(state, case.batch))  # the step donates its state
-    first = time.perf_counter() - t0
-    steady = []
-    for _ in range(3):
+    if rehearse:
+        from concerto_jax.gpu_route import route
+    with route.rehearse() if rehearse else contextlib.nullcontext():
+        state = case.init_state(0)
+        jax.block_until_ready(state)
         t0 = time.perf_counter()
-        state, _ = jax.block_until_ready(step(state, case.batch))
-        steady.append(time.perf_counter() - t0)
+        state, _ = jax.block_until_ready(step(state, case.batch))  # the step donates its state
+        first = time.perf_counter() - t0
+        steady = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            state, _ = jax.block_until_ready(step(state, case.batch))
+            steady.append(time.perf_counter() - t0)
     return {"wall_s": max(first - statistics.median(steady), 0.0), "hit": bool(hits)}
 
 
@@ -190,20 +203,22 @@ def write(rows: list[dict], out: str, command: str, elapsed: float) -> None:
 
 def run(args, command: str) -> list[dict]:
     rows, t0 = [], time.perf_counter()
-    cases = [("target", layout) for layout in (args.layout or DEFAULT_LAYOUTS)]
+    cases = [] if args.no_target else [("target", layout) for layout in (args.layout or DEFAULT_LAYOUTS)]
     if not args.no_cpu:
         cases += [("optimize", c) for c in (args.cpu_case or DEFAULT_CPU_CASES)]
+        cases += [("route", c) for c in (args.route_case or DEFAULT_ROUTE_CASES)]
     for entry, name in cases:
         if entry == "target":
             def worker_args(kind, cache_dir, name=name):
                 return ("target", kind, name, str(args.layers), cache_dir)
             label = f"heldout {name} ({args.layers} layers)"
         else:
-            def worker_args(kind, cache_dir, name=name):
-                return ("cpu", kind, name, cache_dir)
-            label = f"{name} tiny, 8 CPU devices"
+            def worker_args(kind, cache_dir, name=name, entry=entry):
+                return (entry, kind, name, cache_dir)
+            label = f"{name} tiny, 8 CPU devices" + (", GPU route rehearsed" if entry == "route" else "")
         try:
-            rows.append(_row(label, "compile_for_target" if entry == "target" else "optimize", worker_args,
+            rows.append(_row(label, {"target": "compile_for_target", "optimize": "optimize",
+                                     "route": "optimize (GPU route)"}[entry], worker_args,
                              exhaustive=args.exhaustive and entry == "target"))
         except Exception as e:  # noqa: BLE001 - one broken case must not lose the others
             log.exception("%s failed", label)
@@ -218,7 +233,7 @@ def main(argv=None) -> int:
         logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
         kind, rest = argv[1], argv[2:]
         out = _worker_target(rest[0], rest[1], int(rest[2]), rest[3]) if kind == "target" else \
-            _worker_cpu(rest[0], rest[1], rest[2])
+            _worker_cpu(rest[0], rest[1], rest[2], rehearse=kind == "route")
         print(json.dumps(out))
         return 0
     import argparse

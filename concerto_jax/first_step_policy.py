@@ -54,6 +54,10 @@ class StepEntry:
     # JAX's C++ dispatch of ``runner`` once the signature is settled (``jax_compat.
     # guarded_cpp_call``): None until made, False where the runner has none
     fast: Any = None
+    # the original step's own compiled executable where the build made one (the GPU route's
+    # stock compile: the step at JAX's defaults plus Options.compiler_options): the first-step
+    # check runs it instead of compiling the original again; dropped once the check ran
+    reference: Any = None
 
 
 
@@ -229,9 +233,11 @@ class FirstStepPolicy:
         # a second run of the original, where it may not reproduce itself (atomic scatters on
         # a GPU): only a first step that differs bitwise runs it
         again = self._second_reference_inputs(entry, args, kwargs)
-        if self.options.compiler_options:  # the original compiled as ours was
+        original, entry.reference = entry.reference, None
+        if original is None and self.options.compiler_options:  # the original compiled as ours was
             original = self._fn.lower(*copies_args, **copies_kwargs).compile(
                 compiler_options=dict(self.options.compiler_options))
+        if original is not None:
             ref_args, ref_kwargs = self._static.dynamic(copies_args, copies_kwargs)
             reference = original(*ref_args, **ref_kwargs)  # may donate the copies
         else:

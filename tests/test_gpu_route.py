@@ -160,10 +160,12 @@ def test_a_failed_stage_falls_back_with_one_warning_naming_it(monkeypatch, stage
 def test_a_restarted_job_reuses_the_plan_and_our_executable(tmp_path):
     """The plan cache's route entry: a second ``optimize`` of the same step (what a restarted job
     builds) skips the plan and the backend compile, loads the stored executable behind its own
-    stock compile's header, and runs bitwise, its first step checked as on a miss."""
+    stock compile's header, and runs bitwise, its first step checked as on a miss (against that
+    stock compile: the original is compiled once per build)."""
     step, make_args = _mlp_step(_mesh())
     opts = concerto_jax.Options(passes=("schedule",), cache_dir=str(tmp_path))
     ref = step(*make_args(0))
+    jitted = step._cache_size()
     reports = []
     with route.rehearse():
         for _ in range(2):
@@ -180,6 +182,8 @@ def test_a_restarted_job_reuses_the_plan_and_our_executable(tmp_path):
     assert second.optimized and second.first_step_check.startswith("ran: outputs equal the original's (bitwise)")
     assert [(p.name, p.changed) for p in second.passes] == [(p.name, p.changed) for p in first.passes]
     assert len(list(tmp_path.glob("entries/route/*/*/manifest.json"))) == 1
+    # the first-step checks ran the route's own stock compile of the step: jit compiled nothing
+    assert step._cache_size() == jitted
 
 
 def test_a_cached_executable_the_load_refuses_is_rejected_and_the_step_built_again(tmp_path):

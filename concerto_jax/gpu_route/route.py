@@ -779,8 +779,11 @@ def build_entry(step, args: tuple, kwargs: dict, options, note: str, backend):
         executable=f"backend-only ({backend.name}: ours, loaded behind the step's header)",
         first_step_check=why + note)
     log.info("%s", report)
+    # the first-step check runs the route's own stock compile of the step (JAX's compile at
+    # its defaults plus Options.compiler_options; XLA's dumps change no code): no second compile
     return StepEntry(built.compiled, report, built.stock.post_spmd, built.plan.handed,
-                      tolerance=tolerance, check_pending=check, built_with=options, note=note)
+                      tolerance=tolerance, check_pending=check, built_with=options, note=note,
+                      reference=built.stock.compiled if check else None)
 
 
 def _joint_check(step, cap, args, kwargs, tolerance: float) -> tuple[bool, str]:
