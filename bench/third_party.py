@@ -112,8 +112,9 @@ CASES: dict[str, tuple[str, str, dict]] = {
 }
 
 COLUMNS = ("case", "trainer", "entry", "status", "stock_us", "ours_us", "gain", "worst_gain", "worst_variant",
+           "added_kernels", "added_mb",
            "stock_compile_s", "first_s", "cached_s", "first_over_stock", "peak_mb", "limit_mb", "decompose",
-           "robust_changed", "fallback", "cut", "check", "model")
+           "robust_changed", "decisions", "fallback", "cut", "check", "model")
 
 
 def case_options(settings: dict, **kwargs):
@@ -565,12 +566,13 @@ def _target_row(build, cluster: str = TARGET, settings: dict | None = None) -> d
             "stock_us": round(res.stock_step_us, 1), "ours_us": round(res.final_step_us, 1),
             "gain": round(res.stock_step_us / res.final_step_us, 4),
             "worst_gain": rob.get("worst_gain"), "worst_variant": rob.get("worst_variant"),
+            "added_kernels": rob.get("added_kernels"), "added_mb": rob.get("added_mb"),
             "stock_compile_s": round(stock_s, 1), "first_s": round(first_s, 1), "cached_s": round(cached_s, 2),
             "first_over_stock": round(first_s / stock_s, 2),
             "peak_mb": round(res.peak_bytes / 2**20, 1) if res.peak_bytes else "",
             "limit_mb": round(res.memory_limit_bytes / 2**20, 1) if res.memory_limit_bytes else "",
             "decompose": robust_columns.split_guard(res) or "no split found",
-            "robust_changed": robust_columns.robust_changes(res),
+            "robust_changed": robust_columns.robust_changes(res), "decisions": robust_columns.decisions(res),
             "fallback": res.fallback_reason or "", "cut": "; ".join(res.cut),
             "model": desc}
 
