@@ -414,8 +414,11 @@ class OptimizedStep(FirstStepPolicy):
             why += words
         report = dataclasses.replace(report, first_step_check=why + unverified)
         log.info("%s", report)
+        # a plan-cache hit compiled the step as the original compiles (Capture.reference): the
+        # first-step check runs that compile instead of compiling the original again
         return StepEntry(compiled, report, text, result.text, tolerance=tolerance,
-                      check_pending=check, built_with=options, note=note, wider=wider)
+                      check_pending=check, built_with=options, note=note, wider=wider,
+                      reference=cap.compiled if check and cap.reference else None)
 
 
 def _dump(directory: str, name: str, captured: str, emitted: str) -> None:

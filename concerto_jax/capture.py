@@ -97,6 +97,9 @@ class Capture:
       device_list: devices in partition order (``device_list[i]`` runs partition ``i``).
       num_partitions: number of SPMD partitions (devices) of the program.
       seconds: wall time of lowering + compiling + reading the dump.
+      reference: ``compiled`` was compiled as the original step is (JAX's defaults plus
+        ``Options.compiler_options``, not the capture's reduced level): the first-step check may
+        run it as the original instead of compiling the step again.
     """
 
     hlo_text: str
@@ -104,6 +107,7 @@ class Capture:
     device_list: tuple
     num_partitions: int
     seconds: float
+    reference: bool = False
 
     @property
     def input_shardings(self):

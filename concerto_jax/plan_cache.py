@@ -9,8 +9,10 @@ Entries (``plan_store``: atomic directories, checksummed blobs):
 
     step        the captured module, ``PipelineResult.to_json()`` and the step's compiled entry
                 layout. A hit (one process) skips XLA's dumped compile and every pass: JAX
-                compiles the step at the capture's level without dumps (its calling
-                convention), whose entry layout must equal the stored one; the emitted module
+                compiles the step without dumps (its calling convention; as the original
+                compiles where the first-step check may run, which then runs that compile
+                instead of compiling the original again; at the capture's level otherwise),
+                whose entry layout must equal the stored one; the emitted module
                 must parse and pass the IR verifier (``api`` then checks its signature
                 against the captured one, as for any plan)
     executable  keyed by the emitted module's SHA-256, devices, compiler options and code: our
@@ -69,8 +71,9 @@ from hlo_passes.ir import HloModule, parse_module, verify, without_source_locati
 log = logging.getLogger(__name__)
 
 LIGHT_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-"""How a hit compiles the step for its calling convention: the capture's options
-(``capture.capture``) without XLA's dumps. Its entry layout is checked against the stored one."""
+"""How a hit compiles the step for its calling convention where no first-step check will run:
+the capture's options (``capture.capture``) without XLA's dumps. Its entry layout is checked
+against the stored one."""
 _FROM_CACHE = "plan_cache_hit"
 
 
@@ -106,9 +109,13 @@ class StepCache:
     ``decide`` (the leader's plan, read or made and written), ``load`` / ``save`` (our
     executable). Made by ``open_step``."""
 
-    def __init__(self, store: PlanStore, lowered, parts: dict):
+    def __init__(self, store: PlanStore, lowered, parts: dict, reference_options: Mapping | None = None):
         self.store, self.lowered, self.parts = store, lowered, parts
         self.key = key_of(parts)
+        # a hit compiles the step with these (the first-step check's reference: JAX's defaults plus
+        # Options.compiler_options) instead of LIGHT_COMPILE, so that the check runs that compile
+        # rather than compiling the original again; None: no check, LIGHT_COMPILE
+        self.reference_options = None if reference_options is None else dict(reference_options)
         self._plan: _Plan | None = None
         self._looked = False
         self._read_s = 0.0
@@ -134,15 +141,19 @@ class StepCache:
 
     def capture(self) -> capture_lib.Capture | None:
         """On a hit in a single process: a ``Capture`` of the stored module with JAX's compile
-        of the step at the capture's level without XLA's dumps; else None (capture as usual)."""
+        of the step without XLA's dumps (its calling convention): as the original compiles where
+        the first-step check may run (``Capture.reference``: the check runs this compile), at the
+        capture's level (``LIGHT_COMPILE``) otherwise; else None (capture as usual)."""
         if jax.process_count() > 1:
             return None
         plan = self._read()
         if plan is None:
             return None
         t0 = time.perf_counter()
+        reference = self.reference_options is not None
         try:
-            compiled = self.lowered.compile(compiler_options=dict(LIGHT_COMPILE))
+            compiled = self.lowered.compile(
+                compiler_options=self.reference_options if reference else dict(LIGHT_COMPILE))
             layout = jax_compat.entry_layout(jax_compat.xla_executable(compiled))
         except Exception as e:  # noqa: BLE001 - capture as without a cache (it reports the error)
             log.warning("plan cache: the step could not be compiled for its hit (%s: %s)",
@@ -156,7 +167,8 @@ class StepCache:
         devices = tuple(jax_compat.unloaded_executable(compiled).device_list)
         log.info("plan cache hit: %s", self.store.path("step", self.key))
         return capture_lib.Capture(hlo_text=plan.captured, compiled=compiled, device_list=devices,
-                                   num_partitions=len(devices), seconds=time.perf_counter() - t0)
+                                   num_partitions=len(devices), seconds=time.perf_counter() - t0,
+                                   reference=reference)
 
     def decide(self, cap: capture_lib.Capture | None, build: Callable[[], dict]) -> dict:
         """``multiprocess.leader_decides`` with the cache on the leader: the stored plan where
@@ -275,7 +287,8 @@ def open_step(fn, args: tuple, kwargs: dict, options) -> StepCache | None:
     except Exception as e:  # noqa: BLE001 - no key: compile as without a cache
         log.info("plan cache off for this step (%s: %s)", type(e).__name__, str(e)[:200])
         return None
-    return StepCache(store, lowered, parts)
+    checks = options.optimize.check_first_step is not False
+    return StepCache(store, lowered, parts, dict(options.compiler_options) if checks else None)
 
 
 # -- compile_for_target ------------------------------------------------------------------------

@@ -186,6 +186,33 @@ def test_a_restarted_job_reuses_the_plan_and_our_executable(tmp_path):
     assert step._cache_size() == jitted
 
 
+def test_the_first_step_check_compares_with_the_original_not_with_ours(monkeypatch):
+    """The route's first-step check runs the route's stock compile of the step as the original:
+    an executable that computes something else (our plan's learning rate changed) is caught, the
+    call returns the original's outputs and the step falls back with one warning."""
+    import re
+
+    step, make_args = _mlp_step(_mesh())
+    planned = CpuRehearsal.plan
+
+    def other_rate(self, stock, options):
+        plan = planned(self, stock, options)
+        text = re.sub(r"constant\(0\.1\)", "constant(0.2)", plan.handed, count=1)
+        assert text != plan.handed
+        return dataclasses.replace(plan, handed=text, sha256=route._sha(text))
+
+    monkeypatch.setattr(CpuRehearsal, "plan", other_rate)
+    with route.rehearse():
+        opt = concerto_jax.optimize(step, SCHEDULE_NO_CACHE)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = opt(*make_args(0))
+    assert_tree_bitwise(got, step(*make_args(0)))
+    fb = _fallbacks(caught)
+    assert len(fb) == 1 and "differs from the original" in str(fb[0].message), [str(w.message) for w in caught]
+    assert not opt.report().optimized
+
+
 def test_a_cached_executable_the_load_refuses_is_rejected_and_the_step_built_again(tmp_path):
     """A route entry whose executable the load's checks refuse (here: compiled for 4 devices, the
     step has 8) is dropped with one PlanCacheWarning and the step is built as without a cache; the

@@ -94,6 +94,20 @@ def test_a_hit_skips_capture_passes_and_compile(tmp_path, calls):
     assert_tree_bitwise(second(*operands), first(*operands))  # later calls: JAX's fast path
 
 
+def test_a_hits_first_step_check_runs_the_hits_own_compile_of_the_original(tmp_path):
+    """On a hit whose first step is checked, the step is compiled as the original compiles (not
+    at the capture's reduced level) and the check runs that compile: jit compiles nothing."""
+    _optimized(tmp_path)
+    step, operands = make_step()  # a fresh jit: nothing compiled yet
+    opt = concerto_jax.optimize(step, dataclasses.replace(SCHEDULE, cache_dir=str(tmp_path)))
+    got = opt(*operands)
+    assert step._cache_size() == 0, "the check compiled the original again"
+    rep = opt.report()
+    assert "plan_cache" in rep.stage_seconds
+    assert rep.first_step_check.startswith("ran: outputs equal the original's (bitwise)")
+    assert_tree_bitwise(got, step(*operands))
+
+
 def _worker(cache_dir) -> dict:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
