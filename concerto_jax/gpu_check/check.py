@@ -1,5 +1,6 @@
 """The checks of ``python -m concerto_jax.gpu_check`` (the package docstring lists them), their
-reports, and ``main``."""
+reports, and ``main``. Every build here runs with the plan cache off (``cache_dir=None``): each
+check is about a build, and a cache hit would skip the stages it patches or times."""
 
 from __future__ import annotations
 
@@ -341,7 +342,7 @@ def standin_collectives(text: str) -> tuple[str, dict]:
 def suite_options(case, passes: Sequence[str], fast: bool):
     """``Options`` for a suite case; ``fast``: the scheduler's quick settings (no window search)."""
     sched = ScheduleOptions(odd_even=None, progress=False) if fast else ScheduleOptions(progress=False)
-    return Options(passes=tuple(passes), target=case.cluster, scheduler=sched,
+    return Options(cache_dir=None, passes=tuple(passes), target=case.cluster, scheduler=sched,
                    compiler_options=dict(case.xla_options))
 
 
@@ -387,7 +388,7 @@ def rehearsal_checks(run: Run) -> None:
             run.skip(name, f"needs 8 CPU devices (jax_num_cpu_devices=8), have {len(jax.devices('cpu'))}")
         return
     step, make_args, _ = _mlp(jax.devices("cpu")[:8])
-    opts = Options(passes=("schedule",))
+    opts = Options(cache_dir=None, passes=("schedule",))
 
     def steps() -> str:
         with route.rehearse():
@@ -596,7 +597,7 @@ def route_check(name: str, step, case, passes: Sequence[str], seen: list | None 
     """Item a for one step: 3 steps of ``optimize`` (the route) bitwise equal to the plain step,
     no fallback, our order in the loaded executable's module; ``ratios`` (if given) receives
     ``{name: ours / plain}`` of the interleaved step times."""
-    opt = optimize(step, Options(passes=tuple(passes), optimize=OptimizeOptions(check_first_step=True)))
+    opt = optimize(step, Options(cache_dir=None, passes=tuple(passes), optimize=OptimizeOptions(check_first_step=True)))
     batch = case.batch
     s_a, s_b = case.init_state(0), case.init_state(0)
     for k in range(3):  # bitwise equality needs a reproducible reference
@@ -682,7 +683,7 @@ def perturbed_check(step, case) -> str:
             text = perturbed_order(p.handed)
             return route.Plan(text, p.replicated, p.passes, route._sha(text))
 
-    opts = Options(passes=())
+    opts = Options(cache_dir=None, passes=())
     built = route.build(step, (case.init_state(0), case.batch), {}, opts, Perturbed())
     xla_order = route.entry_order(built.stock.scheduled)
     ours = route.entry_order(built.plan.handed)
@@ -726,7 +727,7 @@ try:
     from concerto_jax import jax_compat
     from concerto_jax.gpu_route import route
     f = jax.jit(lambda x: jnp.tanh(x @ x))
-    built = route.build(f, (jnp.ones((64, 64)),), {}, concerto_jax.Options(passes=()),
+    built = route.build(f, (jnp.ones((64, 64)),), {}, concerto_jax.Options(cache_dir=None, passes=()),
                                route.GpuBackend())
     dev = built.stock.device_list
     client = dev[0].client
@@ -769,11 +770,11 @@ def gpu_negative_checks(run: Run) -> None:
         return jax.random.normal(k1, (128, 128)), jax.random.normal(k2, (128, 128))
 
     run.check("b/through_optimize", lambda: negative_checks(
-        f, make_args, Options(passes=("schedule",)), route.GpuBackend), needs_s=30)
+        f, make_args, Options(cache_dir=None, passes=("schedule",)), route.GpuBackend), needs_s=30)
 
     def two_devices() -> str:  # a payload for 2 GPUs of this kind, refused on 1
         dev = jax.devices()[0]
-        built = route.build(f, make_args(0), {}, Options(passes=()), route.GpuBackend())
+        built = route.build(f, make_args(0), {}, Options(cache_dir=None, passes=()), route.GpuBackend())
         t = dataclasses.replace(route.device_target([dev]), num_devices=2, topology="1x1x2")
         try:
             p = route.compile_payload(built.plan.handed, t, 2, replicated=True)
@@ -793,7 +794,7 @@ def gpu_negative_checks(run: Run) -> None:
         text = resources.files("concerto_jax").joinpath("gpu_configs", other).read_text()
         bad = dataclasses.replace(t, config_text=text,
                                   compute_capability=route.config_compute_capability(text))
-        built = route.build(f, make_args(0), {}, Options(passes=()), route.GpuBackend())
+        built = route.build(f, make_args(0), {}, Options(cache_dir=None, passes=()), route.GpuBackend())
         p = route.compile_payload(built.plan.handed, bad, 1, replicated=False)
         try:
             route.load_payload(built.stock.compiled, p)
