@@ -55,8 +55,9 @@ class StepEntry:
     # guarded_cpp_call``): None until made, False where the runner has none
     fast: Any = None
     # the original step's own compiled executable where the build made one (the GPU route's
-    # stock compile: the step at JAX's defaults plus Options.compiler_options): the first-step
-    # check runs it instead of compiling the original again; dropped once the check ran
+    # stock compile; a CPU-path plan-cache hit's compile of the step, ``Capture.reference``: the
+    # step at JAX's defaults plus Options.compiler_options): the first-step check runs it
+    # instead of compiling the original again; dropped once the check ran
     reference: Any = None
 
 
