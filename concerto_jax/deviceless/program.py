@@ -468,10 +468,20 @@ def _backend_only(stock, options, cluster, cost_model, seconds: dict, *, env: di
             # "schedule" alone (the scanned DP x TP step: the rewrite's search first left the
             # original's candidates uncompiled, 11,891.5 us against 11,416.6 us for schedule alone)
             b = tuned(scheduled_at_step, plain, stock_src, stock_compile_options) if near_tie else None
-            a = tuned(scheduled_at_rewritten, plan, scheduled_src, compile_options)
+            # The nominal model keeps the rewrite by more than the margin and the worst case over
+            # the plausible models drops it: the models disagree about what the rewrite's extra
+            # kernels and bytes cost, not about how XLA combined its collectives, so its own
+            # search is not run (docs/DECISIONS.md D49)
+            robust_drop = not keep and rewritten_us < plain_us - margin
+            if robust_drop:
+                guard["rewrite_search"] = "not run: the nominal model keeps the rewrite, the worst case drops it"
+                a = b
+            else:
+                a = tuned(scheduled_at_rewritten, plan, scheduled_src, compile_options)
             if not near_tie:
                 guard["rewrite_search_moved_us"] = round(rewritten_us - a[0].judged.us, 1)
-            if near_tie or rewrite_guard.search_original_too(rewritten_us, plain_us, a[0].judged.us):
+            if not robust_drop and (near_tie or rewrite_guard.search_original_too(
+                    rewritten_us, plain_us, a[0].judged.us)):
                 if b is None:
                     if clock is not None:  # never starved by the rewrite's search (D47)
                         clock.grant_search()
