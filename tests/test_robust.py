@@ -276,6 +276,29 @@ def test_rewrite_guard_keeps_a_rewrite_only_where_every_model_agrees():
 
 
 @needs_plugin
+def test_a_rewrite_the_worst_case_drops_gets_no_threshold_search_of_its_own():
+    """D49: the nominal model keeps the split by more than the retune margin, a model of the set
+    drops it: the original's threshold search runs, the rewrite's does not, and the rewrite stays
+    dropped."""
+    from concerto_jax.deviceless.rewrite_guard import GUARD_RETUNE_MARGIN
+
+    step, args = _tp_mlp()
+    res = concerto_jax.compile_for_target(step, *args, target="h100_sxm_8", options=concerto_jax.Options(
+        passes=("decompose", "schedule"), fallback=False, cache_dir=None,
+        deviceless=concerto_jax.DevicelessOptions(robust=(*ENVELOPE, LAUNCH_50US),
+                                                  combine_thresholds=(1 << 20,), time_budget_s=None)))
+    dec, guard = _guard(res)
+    assert guard["rewritten_planned_us"] < guard["without_rewrite_planned_us"] * (1 - GUARD_RETUNE_MARGIN)
+    assert not guard["kept"] and not dec.changed and guard["rewrite_search"].startswith("not run")
+    assert "after_combine_thresholds" not in guard and "robust_after_combine_thresholds" not in guard
+    search = next(p for p in res.passes if p.name == "combine_thresholds")  # the original's
+    assert search.stats["candidates"] and search.stats["current_planned_us"] == pytest.approx(
+        guard["without_rewrite_planned_us"], abs=0.11)
+    assert "rewrite_guard_after_combine_thresholds" not in [v.decision for v in res.robust]
+    assert "replica_count=8" not in res.emitted_text.split("\n", 1)[0]
+
+
+@needs_plugin
 def test_final_module_guard_reports_stock_where_a_model_makes_ours_slower():
     """The pin path has no rewrite guard: the final-module guard alone judges XLA's final module
     of our split program against stock's. Under the extreme model it loses and the stock
