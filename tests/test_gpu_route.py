@@ -33,6 +33,20 @@ def _fallbacks(caught):
     return [w for w in caught if issubclass(w.category, concerto_jax.ConcertoFallbackWarning)]
 
 
+def _rehearsed_first_call(step, options, make_args, seed):
+    """``optimize(step, options)``'s first call on ``make_args(seed)`` on the rehearsed route: its
+    outputs must be the original's bitwise (ours or, after a fallback, the original's; fresh
+    arguments each, the step donates). Returns the OptimizedStep and the fallback warnings'
+    messages."""
+    with route.rehearse():
+        opt = concerto_jax.optimize(step, options)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = opt(*make_args(seed))
+    assert_tree_bitwise(got, step(*make_args(seed)))
+    return opt, [str(w.message) for w in _fallbacks(caught)]
+
+
 def test_rehearsal_runs_ours_for_three_steps_bitwise_with_donation():
     step, make_args = _mlp_step(_mesh())
     with route.rehearse():
@@ -202,14 +216,8 @@ def test_the_first_step_check_compares_with_the_original_not_with_ours(monkeypat
         return dataclasses.replace(plan, handed=text, sha256=route._sha(text))
 
     monkeypatch.setattr(CpuRehearsal, "plan", other_rate)
-    with route.rehearse():
-        opt = concerto_jax.optimize(step, SCHEDULE_NO_CACHE)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            got = opt(*make_args(0))
-    assert_tree_bitwise(got, step(*make_args(0)))
-    fb = _fallbacks(caught)
-    assert len(fb) == 1 and "differs from the original" in str(fb[0].message), [str(w.message) for w in caught]
+    opt, fb = _rehearsed_first_call(step, SCHEDULE_NO_CACHE, make_args, 0)
+    assert len(fb) == 1 and "differs from the original" in fb[0], fb
     assert not opt.report().optimized
 
 
@@ -318,14 +326,8 @@ def test_bad_payloads_fall_back_with_a_warning_naming_the_load(monkeypatch, eigh
         return dataclass_replace(good, data=RIEGELI_SIGNATURE + good.data, compute_capability="8.0")
 
     monkeypatch.setattr(CpuRehearsal, "compile", compile_bad)
-    with route.rehearse():
-        opt = concerto_jax.optimize(step, SCHEDULE)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            got = opt(*make_args(3))
-    assert_tree_bitwise(got, step(*make_args(3)))
-    fb = _fallbacks(caught)
-    assert len(fb) == 1 and "stage 'load'" in str(fb[0].message) and "LoadRefused" in str(fb[0].message)
+    opt, fb = _rehearsed_first_call(step, SCHEDULE, make_args, 3)
+    assert len(fb) == 1 and "stage 'load'" in fb[0] and "LoadRefused" in fb[0]
 
 
 # -- the real devices' target config ------------------------------------------------------------
