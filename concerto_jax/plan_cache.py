@@ -380,7 +380,7 @@ class RouteCache:
             plan = json.loads(entry.blobs["plan.json"])
             if without_source_locations(entry.blobs["post_spmd.hlo"].decode()) != without_source_locations(post_spmd):
                 raise ValueError("its post-SPMD module differs from the one this step's compile wrote")
-            verify(parse_module(plan["handed"], source="plan cache handed"))
+            _verified_module(plan["handed"], "plan cache handed")
             if hashlib.sha256(plan["handed"].encode()).hexdigest() != plan["sha256"]:
                 raise ValueError("its handed module's SHA-256 is not the recorded one")
             meta = entry.meta
