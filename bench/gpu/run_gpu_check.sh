@@ -23,6 +23,7 @@
 #   built there, or the copy prepare built into .gpu_prepared/nccl_tuner/).
 # gemms: bench/gpu/gemm_sweep.py into $OUT/gemms (GEMM time by shape and dtype).
 # split: bench/gpu/split_cost_probe.py into $OUT/split (a split's compute cost, several compiles).
+# cache: bench/gpu/route_cache_probe.py into $OUT/cache (optimize twice over one cache directory).
 #
 # On the GPU machine, from the repository root (about 10 minutes; a limit of 560 s):
 #   bash bench/gpu/run_gpu_check.sh device
@@ -87,6 +88,13 @@ gemms() {  # GEMM time by shape and dtype (bench/gpu/gemm_sweep.py): about two m
     script gemms "${GEMM_TIMEOUT_S:-200}" gemm_sweep.py sh -c 'grep gemm_sweep | tail -40'
 }
 
+cache() {  # optimize's plan cache across a restart (bench/gpu/route_cache_probe.py): about a minute
+    script cache "${CACHE_TIMEOUT_S:-150}" route_cache_probe.py sh -c 'grep route_cache_probe | tail -4'
+    local rc=$?
+    rm -rf "${OUT:-/tmp/out}/cache/cache"  # the cached executables stay there
+    return "$rc"
+}
+
 split() {  # a split's compute cost against compile-to-compile noise (bench/gpu/split_cost_probe.py)
     script split "${SPLIT_TIMEOUT_S:-200}" split_cost_probe.py tail -12
 }
@@ -127,5 +135,6 @@ case "${1:-}" in
     nccl) nccl ;;
     gemms) gemms ;;
     split) split ;;
-    *) echo "usage: $0 prepare|device [ARGS]|probe|nccl|gemms|split" >&2; exit 2 ;;
+    cache) cache ;;
+    *) echo "usage: $0 prepare|device [ARGS]|probe|nccl|gemms|split|cache" >&2; exit 2 ;;
 esac
