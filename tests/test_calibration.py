@@ -42,9 +42,9 @@ def test_an_h200_cluster_gets_the_measured_rates_and_an_h100_the_datasheet():
 
 
 def test_a_variant_moves_its_own_figure_of_the_calibrated_model():
-    launch_6us = next(v for v in ENVELOPE if v.name == "launch_6us")
-    got = launch_6us.cost_model(get_cluster("h200_sxm_8")).options.compute
-    assert got == dataclasses.replace(cal.H200.compute, launch_overhead_us=6.0)
+    launch_4us = next(v for v in ENVELOPE if v.name == "launch_4us")
+    got = launch_4us.cost_model(get_cluster("h200_sxm_8")).options.compute
+    assert got == dataclasses.replace(cal.H200.compute, launch_overhead_us=4.0)
     # the calibrated column on another target: the H200's rates on that target's peaks
     h100 = CALIBRATED_H200.cost_model(get_cluster("h100_sxm_8"))
     assert h100.options.compute == cal.H200.compute and h100.gpu.name == H100_SXM.name

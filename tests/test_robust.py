@@ -27,7 +27,7 @@ _FINAL = os.path.join(os.path.dirname(__file__), "data", "hlo", "gpu_transformer
 
 # variant -> (figure, value); the figure is a path into CostOptions
 _STATED = {
-    "launch_6us": ("compute.launch_overhead_us", 6.0),
+    "launch_4us": ("compute.launch_overhead_us", 4.0),
     "command_buffer": ("compute.launch_overhead_us", 1.5),
     "gemm_0.6": ("compute.matmul_efficiency", 0.6),
     "gemm_0.9": ("compute.matmul_efficiency", 0.9),
@@ -65,14 +65,14 @@ def test_envelope_is_the_nominal_model_and_one_figure_at_a_time():
         assert moved == {figure: value}, (v.name, moved)
         assert v.gemm_by_shape is None
     # both ends of each range, on either side of the nominal figure
-    for lo, hi in (("command_buffer", "launch_6us"), ("gemm_0.6", "gemm_0.9"), ("hbm_0.7", "hbm_0.9"),
+    for lo, hi in (("command_buffer", "launch_4us"), ("gemm_0.6", "gemm_0.9"), ("hbm_0.7", "hbm_0.9"),
                    ("slowdown_1.0", "slowdown_1.3"), ("link_0.6", "link_1.0")):
         figure = _STATED[lo][0]
         assert _STATED[lo][1] < nominal[figure] < _STATED[hi][1]
     # the stress corner is not a member; each of its figures at the end hostile to added kernels
     assert ADVERSE.name not in names
     adverse = _flat(ADVERSE.options)
-    assert adverse["compute.launch_overhead_us"] == 6.0 and adverse["compute.memory_efficiency"] == 0.7
+    assert adverse["compute.launch_overhead_us"] == 4.0 and adverse["compute.memory_efficiency"] == 0.7
     assert adverse["overlap_slowdown"] == 1.3 and adverse["collectives.link_efficiency"] == 1.0
     assert ADVERSE.gemm_by_shape == GemmByShape()
 
@@ -96,12 +96,12 @@ def test_each_variant_moves_a_real_final_module_the_stated_way():
     judged = {v.name: judge_module(text, v.cost_model(cluster)) for v in ENVELOPE}
     nom = judged[NOMINAL]
     assert nom.compute_us > 0 and nom.comm_us > 0
-    assert judged["launch_6us"].compute_us > nom.compute_us > judged["command_buffer"].compute_us
+    assert judged["launch_4us"].compute_us > nom.compute_us > judged["command_buffer"].compute_us
     assert judged["gemm_0.6"].compute_us >= nom.compute_us >= judged["gemm_0.9"].compute_us
     assert judged["hbm_0.7"].compute_us > nom.compute_us > judged["hbm_0.9"].compute_us
     assert judged["link_0.6"].comm_us > nom.comm_us > judged["link_1.0"].comm_us
     assert judged["slowdown_1.0"].us <= nom.us <= judged["slowdown_1.3"].us
-    for name in ("launch_6us", "command_buffer", "gemm_0.6", "gemm_0.9", "hbm_0.7", "hbm_0.9", "gemm_by_shape"):
+    for name in ("launch_4us", "command_buffer", "gemm_0.6", "gemm_0.9", "hbm_0.7", "hbm_0.9", "gemm_by_shape"):
         assert judged[name].comm_us == nom.comm_us, name  # compute figures leave collectives alone
     for name in ("link_0.6", "link_1.0", "slowdown_1.0", "slowdown_1.3"):
         assert judged[name].compute_us == nom.compute_us, name

@@ -87,7 +87,7 @@ def defaults_for(gpu: GpuSpec) -> ComputeOptions:
 
 def rebase(compute: ComputeOptions, gpu: GpuSpec) -> ComputeOptions:
     """``compute`` on ``gpu``: the figures it changed from the datasheet defaults as they are,
-    the others from ``gpu``'s calibration (a plausible-model variant such as "launches at 6 us"
+    the others from ``gpu``'s calibration (a plausible-model variant such as "launches at 4 us"
     changes one figure of whatever model is nominal there)."""
     base = defaults_for(gpu)
     if base == ComputeOptions():
