@@ -38,12 +38,13 @@ of any single figure being off by its whole range.
 * ``launch_4us`` / ``command_buffer``: 4 µs and 1.5 µs per kernel. What the decisions need is
   the *marginal* cost of a kernel, what one more kernel adds to a step, not the average time a
   step spends outside its kernels (5.7 µs per kernel on an H200, most of it not per kernel).
-  Measured on an H200 (``bench/results/gpu/h200-2026-11-28/split-*``, ``calibration-*``): the
-  compute a split adds (collectives stood in, so compute only) matches this model with 1.7-2.2
-  µs per kernel with XLA's command buffers on (its default; 1.1 µs on the PCIe case, inside the
-  noise) and 2.4-2.9 µs with them off, every kernel its own stream launch, as kernels between
-  collectives may run in a real step (Evoformer DAP 8, TP 8 over NVLink and over PCIe). 4 µs is
-  that top with a third more for hosts and drivers not measured; 1.5 µs is a kernel replayed
+  Measured on an H200 (``bench/results/gpu/h200-2026-11-28/split-model/``: the compute a split
+  adds, collectives stood in, against this model with the H200's kernel rates): the model
+  matches the measurement at 2.0 µs per kernel (Evoformer DAP 8) and 1.7 µs (TP 8 over NVLink)
+  with XLA's command buffers on, its default (TP 8 over PCIe and ZeRO-3 16: below 1.5 µs,
+  within the noise), and at 2.4-2.6 µs with them off, every kernel its own stream launch, as
+  kernels between collectives may run in a real step (one compile each, item c). 4 µs is that
+  top and half as much again, for hosts and drivers not measured; 1.5 µs is a kernel replayed
   from a CUDA graph with no gap before it, the kernel's own fixed time (1.2-1.8 µs as fitted).
   Until that measurement the top was 6 µs (the top of the 1-6 µs range quoted for stream
   launches), which priced a split's kernels at twice what the hardware showed.

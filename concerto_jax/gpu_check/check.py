@@ -629,11 +629,19 @@ def route_check(name: str, step, case, passes: Sequence[str], seen: list | None 
     # (XLA:CPU reorders what it compiles: only a GPU backend keeps the handed order)
     assert kept["kept"] or backend != "gpu", f"the loaded executable does not run our order: {kept}"
     sched = next((p for p in rep.passes if p.name == "schedule"), None)
+    timed = "5x4"
     med = interleaved_step_us({"plain": step, "ours": opt}, case)
+    if med["ours"] > STEP_TIME_LIMIT * med["plain"]:
+        # 5 blocks of 4 steps of a ~1 ms step cannot hold 3 % (a run on an H200 timed XLA's own
+        # order through the route at 1.049x): a step over the limit is timed again, longer, and
+        # that timing is the verdict's
+        first = med["ours"] / med["plain"]
+        med = interleaved_step_us({"plain": step, "ours": opt}, case, rounds=9, per=10)
+        timed = f"9x10, re-timed after {first:.3f}x over 5x4"
     if ratios is not None:
         ratios[name] = med["ours"] / med["plain"]
     return (f"3 steps bitwise; order kept {kept['in_our_order']}/{kept['common']}; schedule changed="
-            f"{sched.changed if sched else None}; step us (median of 5x4, interleaved): plain "
+            f"{sched.changed if sched else None}; step us (median of {timed}, interleaved): plain "
             f"{med['plain']:.0f}, ours {med['ours']:.0f} (ours/plain {med['ours'] / med['plain']:.3f}); "
             f"{rep.first_step_check}; stages {json.dumps(rep.stage_seconds)}")
 
