@@ -135,7 +135,7 @@ def test_concurrent_swaps_never_give_a_torn_or_invalid_answer(built, tmp_path):
 
     Generations start at 990 so the run crosses 999: the harness used to take channels=999 for
     an invalid table's marker, and flagged valid table 999's answers as bad (the "torn answer"
-    of session 3, which only runs reaching 999 generations within the 3 s showed).
+    of an earlier version, which only runs reaching 999 generations within the 3 s showed).
     """
     lib, harness, _ = built
     t0 = time.perf_counter()

@@ -30,7 +30,7 @@ def test_online_bucket_tuning_two_processes(tmp_path):
     # the descent ran over the grid and what it chose is what ran: the start's 16 all-reduces
     # at bucket 0, fewer at a larger bucket. Whether merging pays is a timing outcome (99 -> 7
     # ms alone on one machine; 62.9 ms vs 59.5 ms and bucket 0 kept on another, unloaded, in
-    # session 14), so it is measured in the bench (`python -m bench.autoccl_bench --suite cpu`), not
+    # an earlier measurement), so it is measured in the bench (`python -m bench.autoccl_bench --suite cpu`), not
     # asserted here; the descent's choices on seeded noisy surfaces are in test_autoccl.py.
     assert 1 <= tun["evaluations"] <= tun["grid_size"]
     if tun["chosen_bucket_bytes"] == 0:

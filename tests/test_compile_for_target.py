@@ -57,7 +57,7 @@ def test_compile_for_target_pins_and_measures(tmp_path):
 
     The memory limit is off so that the plan overlaps a gradient all-reduce with a GEMM (a
     window to pin): within the input order's peak the scheduler's plan has no such window
-    since session 18 (its list schedules used to be rejected there, and XLA's own order,
+    since the scheduler change that planned it (its list schedules used to be rejected there, and XLA's own order,
     which has one, was kept)."""
     from concerto_jax.scheduler import ScheduleOptions
 
@@ -195,7 +195,7 @@ def test_rotation_guard_keeps_the_faster_program_on_xlas_module(monkeypatch):
     """A loop rotation is decided on the post-SPMD graph; compile_for_target plans the program
     with every rotation and without each one on XLA's scheduled module and keeps the fastest.
     The post-SPMD decision's margin is set to -1 (rotate whatever fits) so that the guard has
-    rotations to judge: since session 18 the scheduler plans this small loop's unrotated body
+    rotations to judge: the scheduler now plans this small loop's unrotated body
     within its memory limit as fast as the rotated one, and no rotation pays there."""
 
     from hlo_passes.pipeline_loops import decide as pipeline_pass

@@ -223,7 +223,7 @@ def test_scanned_steps_with_decompose_close_to_plain_jit(model, layout):
     finds more (the Evoformer layouts: a near-zero gradient whose summed chunks round
     differently and that Adam turns into a different update, max |diff| 1e-4 to 2e-3 of the
     leaf's largest element on pair_right_embedding, with or without chunked loop state,
-    and before session 6's changes too), the original step after one warning: bitwise."""
+    and before the carried-state changes too), the original step after one warning: bitwise."""
     case = models.make_case(model, layout, "tiny", scan_layers=True, remat=True)
     reference = case.step.lower(case.state, case.batch).compile(compiler_options=FAST)
     fast = concerto_jax.scheduler.ScheduleOptions(full_model_max_tasks=0, odd_even=None)
@@ -240,7 +240,7 @@ def test_scanned_steps_with_decompose_close_to_plain_jit(model, layout):
         # one step: the contract the pass declares and the check enforces. Over more steps
         # the reassociated sums drift through Adam: evoformer zero2, step 2, nu of
         # pair_left_embedding differs by 2.5e-7 (more than 1e-3 of that leaf's largest
-        # element), identically with and without loop state in chunks (session 6).
+        # element), identically with and without loop state in chunks.
         run_bitwise_steps(reference, step, case, 1 if rec.tolerance else 2,
                           tolerance=rec.tolerance)
     else:

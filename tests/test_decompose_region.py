@@ -310,7 +310,7 @@ def test_region_heldout_three_steps(layout):
     if layout != "fsdp":  # a batch region: micro-batches with summed weight gradients
         assert partial, rec.stats["decomposed"]
     # (fsdp: the region of a weight all-gather along its columns scores best since only the
-    # communication a GEMM waits for counts (session 6): no partial member)
+    # communication a GEMM waits for counts: no partial member)
     if layout == "tp_scanned":  # the layers' collectives are in while bodies: split there,
         entry = hlo_passes.parse_module(opt.hlo_texts()[0]).entry.name  # activations in chunks
         body = [d for d in rec.stats["decomposed"] if d["computation"] != entry]

@@ -1,6 +1,6 @@
 """Constant arrays survive the capture: XLA's dumps write constants of more than a few
 elements as ``{...}`` unless asked (``xla_dump_large_constants``); a module parsed back
-from such a dump held other values (found in session 6: a step multiplying by a
+from such a dump held other values (a step multiplying by a
 40-element constant came out different on the recompile path, and the partition-offset
 tables of every 16-device program were lost, so XLA could not turn its gradient
 all-reduce + dynamic-slice back into reduce-scatters)."""

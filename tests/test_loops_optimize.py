@@ -6,7 +6,7 @@ takes ~9 min on the 2-core dev machine, too long for the default suite: by defau
 covering FSDP and 2-D DP x TP layouts runs; ``CONCERTO_FULL_SCAN_MATRIX=1`` (or ``CONCERTO_FULL_SWEEP=1``)
 runs all.
 
-evoformer x dap (scanned) was not bitwise until session 5, even with the identity pipeline: its
+evoformer x dap (scanned) was not bitwise at first, even with the identity pipeline: its
 tiny config has one block (a trip-count-1 while), which XLA inlines in the jitted (SPMD) program but
 kept in the replicated recompile, because there the body's all-reduces still had channel ids and a
 collective with a channel id counts as side-effecting outside SPMD mode. ``spmd_to_replicated`` now

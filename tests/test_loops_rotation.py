@@ -109,7 +109,7 @@ def test_decompose_rotates_a_split_loop_where_it_pays_and_fits(monkeypatch):
     rotated within a memory budget, not without one (the carried partial sum is extra state
     the body's own limit does not allow); the results stay within the split's tolerance.
 
-    Since session 18 the unrotated body plans as fast as the rotated one here (70.4 us a
+    The unrotated body now plans as fast as the rotated one here (70.4 us a
     trip: its list schedules now fit the body's limit; before, they were rejected and the
     body kept a 89.2 us order, against which the rotation paid), so no rotation pays at
     ``ROTATION_MARGIN``; the margin is set to -1 (rotate whatever fits) to keep the memory

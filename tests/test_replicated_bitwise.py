@@ -5,7 +5,7 @@ Two ways the HLO -> StableHLO -> HLO compile path used to break that:
 * shard_map ``psum`` over a pytree: the partitioner gives all its all-reduces one
   channel id; XLA's layout assignment outside SPMD mode forces one layout per
   channel and rejects operands of different ranks
-  (``hlo_passes.as_replicas.unique_all_reduce_channels``; since session 5 the replicated
+  (``hlo_passes.as_replicas.unique_all_reduce_channels``; since then the replicated
   program carries no channel ids at all, see ``spmd_to_replicated``);
 * a softmax on a 2-D mesh: MLIR canonicalisation in the StableHLO -> HLO step
   folds the partitioner's reshape/broadcast chain, so XLA:CPU no longer turns

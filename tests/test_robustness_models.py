@@ -113,7 +113,7 @@ def test_default_options_are_bitwise_on_a_case_the_recompile_got_wrong(recompile
     Recompiling its post-SPMD module gave 148 of 199 output leaves different at the
     second step (max |diff| 3e-8; the first step bitwise, so a first-step check
     cannot see it; at LLVM -O0 both are bitwise). The identity pipeline runs JAX's
-    own executable: equal by construction. The recompile is bitwise too since session 5:
+    own executable: equal by construction. The recompile is bitwise too now:
     the one-block scan is a trip-count-1 loop, which XLA kept in the replicated program
     while its body's all-reduces had channel ids (side-effecting outside SPMD mode).
     """

@@ -43,7 +43,7 @@ peers' copies over NVLink, no NCCL ring:
 ``time = launch + rounds x signal + link bytes / (link bandwidth x link_efficiency)``: the
 launch is the compute kernels' launch overhead, a signal round one flag store and poll over
 the link (NCCL's LL per-hop latency on that link, the same mechanism). Assumed, not measured
-(no GPU lent): the kernel's 32 blocks pull at the link's rate, and its local HBM traffic
+(not measured on a GPU): the kernel's 32 blocks pull at the link's rate, and its local HBM traffic
 (the input copied to symmetric memory, the output written) hides under the link transfer.
 The strategy rule and the size limits are XLA's (``xla/backends/gpu/runtime/all_reduce.cc``:
 ``GetAllReduceStrategy``, ``kMaxOneShotAllReduceSizeBytes``, ``kMaxTwoShotAllReduceSizeBytes``;

@@ -34,7 +34,7 @@ class SimOptions:
 
     Attributes:
       overlap_slowdown: factor (>= 1) by which compute slows while a collective
-        is in flight; configured, not measured, until a GPU is lent.
+        is in flight; configured, not measured, until two GPUs measure it.
       check: validate the graph and the schedule first (``TaskGraph.check_schedule``).
       memory: compute the live-bytes peak (``SimResult.peak_memory_bytes``).
     """
