@@ -197,6 +197,10 @@ SPREAD_FACTOR = 4.0
 original's where the original itself is not reproducible, in units of the original's own
 run-to-run difference on that leaf (``within_spread``)."""
 
+SPREAD_REPEATS = 2
+"""At most how many more runs of the original the spread judge makes: a second always, a third
+only where the judge on two runs fails and its copy of the inputs fits."""
+
 NONDETERMINISTIC_GPU_OPS = re.compile(r"= [^=]*(?<![\w-])(scatter|select-and-scatter)\(")
 """HLO instructions XLA:GPU may run with atomics (a different summation order each run) unless
 ``--xla_gpu_exclude_nondeterministic_ops`` (or ``--xla_gpu_deterministic_ops``) is set."""
@@ -223,68 +227,85 @@ def may_vary_between_runs(hlo_text: str | None, platform: str) -> bool:
     return NONDETERMINISTIC_GPU_OPS.search(hlo_text) is not None
 
 
-def _array_triples(reference: Any, second: Any, third: Any, bad: list[str]):
-    """``(name, r, s, t)`` for each leaf of three outputs of one structure whose three leaves are
-    all arrays; a leaf that is not an array in all three is compared with ``reference``'s by value
-    (``third``'s) and its difference appended to ``bad``. None where the structures differ."""
+def _array_rows(reference: Any, others: Sequence[Any], got: Any, bad: list[str]):
+    """``(name, r, others' leaves, g)`` for each leaf of outputs of one structure whose leaves
+    are arrays in all of them; a leaf that is not an array in all is compared with
+    ``reference``'s by value (``got``'s) and its difference appended to ``bad``. None where the
+    structures differ."""
     ref_leaves, _ = jax.tree_util.tree_flatten_with_path(reference)
-    second_leaves, third_leaves = jax.tree.leaves(second), jax.tree.leaves(third)
-    if len(second_leaves) != len(ref_leaves) or len(third_leaves) != len(ref_leaves):
+    columns = [jax.tree.leaves(o) for o in others]
+    got_leaves = jax.tree.leaves(got)
+    if any(len(c) != len(ref_leaves) for c in [*columns, got_leaves]):
         return None
     out = []
-    for (path, r), a, b in zip(ref_leaves, second_leaves, third_leaves, strict=True):
+    for i, ((path, r), g) in enumerate(zip(ref_leaves, got_leaves, strict=True)):
         name = jax.tree_util.keystr(path) or "<output>"
-        if all(isinstance(x, jax.Array) for x in (r, a, b)):
-            out.append((name, r, a, b))
-        elif not np.array_equal(np.asarray(r), np.asarray(b)):
+        row = [c[i] for c in columns]
+        if all(isinstance(x, jax.Array) for x in (r, *row, g)):
+            out.append((name, r, row, g))
+        elif not np.array_equal(np.asarray(r), np.asarray(g)):
             bad.append(f"{name}: values differ")
     return out
 
 
-def within_spread(reference: Any, again: Any, got: Any, factor: float = SPREAD_FACTOR,
+def within_spread(runs: Sequence[Any], got: Any, factor: float = SPREAD_FACTOR,
                   limit: int = 5) -> tuple[bool, list[str], str]:
-    """Judges ``got`` against an original that is not reproducible: ``reference`` and
-    ``again`` are two runs of the original on the same inputs.
+    """Judges ``got`` against an original that is not reproducible: ``runs`` are two or more
+    runs of the original on the same inputs, the first the reference.
 
-    Every leaf where the two runs agree bitwise must agree bitwise in ``got`` too; a float leaf
-    where they differ may differ from ``reference`` by at most ``factor`` times their largest
-    absolute difference (with the same NaN/inf positions). Returns (ok, the leaves that fail,
-    a sentence on the original's own spread).
+    Every shard where all runs agree bitwise must agree bitwise in ``got`` too; a float shard
+    where they differ may differ from the reference by at most ``factor`` times the largest
+    absolute difference between any two runs (with the reference's NaN/inf positions).
+    Returns (ok, the leaves that fail, a sentence on the original's own spread).
     """
+    if len(runs) < 2:
+        raise ValueError(f"within_spread needs two or more runs of the original, got {len(runs)}")
+    reference, others = runs[0], list(runs[1:])
     bad, varied = [], 0
-    triples = _array_triples(reference, again, got, bad)
-    if triples is None or jax.tree.structure(reference) != jax.tree.structure(got):
+    rows = _array_rows(reference, others, got, bad)
+    if rows is None or jax.tree.structure(reference) != jax.tree.structure(got):
         return False, ["output structure differs"], ""
-    for name, r, a, g in triples:
+    for name, r, row, g in rows:
         if len(bad) >= limit:
             break
         if (g.dtype, g.shape) != (r.dtype, r.shape):
             bad.append(f"{name}: {g.dtype}{g.shape} vs {r.dtype}{r.shape}")
             continue
-        for rs, as_, gs in zip(_host_shards(r), _host_shards(a), _host_shards(g), strict=True):
-            if np.array_equal(_bits(rs), _bits(as_)):
+        for rs, gs, *os_ in zip(_host_shards(r), _host_shards(g), *(_host_shards(a) for a in row),
+                                strict=True):
+            if all(np.array_equal(_bits(rs), _bits(o)) for o in os_):
                 if not np.array_equal(_bits(rs), _bits(gs)):
-                    bad.append(f"{name}: differs where two runs of the original agree bitwise")
+                    bad.append(f"{name}: differs where {len(runs)} runs of the original agree bitwise")
                     break
                 continue
             varied += 1
             if not _is_float(rs.dtype) or np.iscomplexobj(rs):
                 bad.append(f"{name}: a non-float leaf the original itself does not reproduce")
                 break
-            x, y, z = (v.astype(np.float64) for v in (rs, as_, gs))
+            x, z = rs.astype(np.float64), gs.astype(np.float64)
             if not np.array_equal(np.isfinite(x), np.isfinite(z)):
                 bad.append(f"{name}: non-finite values at other positions")
                 break
-            fin = np.isfinite(x) & np.isfinite(y)
-            spread = float(np.abs(x - y)[fin].max()) if fin.any() else 0.0
+            spread = _largest_pairwise_difference([x, *(o.astype(np.float64) for o in os_)])
             dev = float(np.abs(x - z)[np.isfinite(x)].max()) if np.isfinite(x).any() else 0.0
             if dev > factor * spread:
                 bad.append(f"{name}: max |diff| {dev:.3g}, above {factor:g}x the original's own "
                            f"{spread:.3g}")
                 break
-    words = (f"the original itself differs between two runs on {varied} shard(s) (atomic "
-             f"scatters): judged against that spread ({factor:g}x)")
+    words = (f"the original itself differs between {len(runs)} runs on {varied} shard(s) "
+             f"(atomic scatters): judged against that spread ({factor:g}x)")
     return not bad, bad, words
+
+
+def _largest_pairwise_difference(values: list[np.ndarray]) -> float:
+    """The largest absolute difference, over elements finite in both, between any two arrays."""
+    spread = 0.0
+    for i, x in enumerate(values):
+        for y in values[i + 1:]:
+            fin = np.isfinite(x) & np.isfinite(y)
+            if fin.any():
+                spread = max(spread, float(np.abs(x - y)[fin].max()))
+    return spread
 
 
 ACCURACY_FACTOR = 2.0
@@ -325,10 +346,10 @@ def less_accurate(reference: Any, got: Any, wider: Any, tolerance: float,
     original's bit for bit. Compares this process's part of each leaf.
     """
     bad, errors = [], []
-    triples = _array_triples(reference, wider, got, bad)
-    if triples is None:
+    rows = _array_rows(reference, [wider], got, bad)
+    if rows is None:
         return ["output structure differs"]
-    for name, r, w, g in triples:
+    for name, r, (w,), g in rows:
         rv, gv, wv = _distinct_values(r), _distinct_values(g), _distinct_values(w)
         if not _is_float(rv.dtype) or np.iscomplexobj(rv):
             if not np.array_equal(_bits(rv), _bits(gv)):

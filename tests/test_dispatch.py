@@ -13,6 +13,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import concerto_jax
 from concerto_jax import first_step
@@ -90,15 +91,30 @@ def test_within_spread_judges_against_the_originals_own_difference():
     ref = _leaves([1.0, 2.0, 3.0], [5, 6])
     again = _leaves([1.0, 2.0 + 1e-6, 3.0], [5, 6])
     close = _leaves([1.0, 2.0 - 2e-6, 3.0], [5, 6])
-    ok, bad, words = first_step.within_spread(ref, again, close)
-    assert ok and not bad and "differs between two runs" in words
+    ok, bad, words = first_step.within_spread([ref, again], close)
+    assert ok and not bad and "differs between 2 runs" in words
     far = _leaves([1.0, 2.0 + 1e-4, 3.0], [5, 6])
-    ok, bad, _ = first_step.within_spread(ref, again, far)
+    ok, bad, _ = first_step.within_spread([ref, again], far)
     assert not ok and "above 4x" in bad[0]
     # a leaf both runs of the original agree on must agree bitwise
     moved = _leaves([1.0, 2.0, 3.0], [5, 7])
-    ok, bad, _ = first_step.within_spread(ref, again, moved)
-    assert not ok and "two runs of the original agree bitwise" in bad[0]
+    ok, bad, _ = first_step.within_spread([ref, again], moved)
+    assert not ok and "2 runs of the original agree bitwise" in bad[0]
+    with pytest.raises(ValueError, match="two or more runs"):
+        first_step.within_spread([ref], close)
+
+
+def test_within_spread_takes_the_largest_difference_between_any_two_runs():
+    """With three runs the bar is the widest pair, the reference's or not: 5e-6 from the
+    reference is beyond 4x the first repeat's 1e-6, within 4x of the two repeats' 3e-6."""
+    ref = _leaves([1.0, 2.0, 3.0])
+    again = _leaves([1.0, 2.0 + 1e-6, 3.0])
+    third = _leaves([1.0, 2.0 - 2e-6, 3.0])
+    got = _leaves([1.0, 2.0 + 5e-6, 3.0])
+    assert not first_step.within_spread([ref, again], got)[0]
+    ok, bad, words = first_step.within_spread([ref, again, third], got)
+    assert ok and not bad and "between 3 runs" in words
+    assert not first_step.within_spread([ref, again, third], _leaves([1.0, 2.0 + 2e-5, 3.0]))[0]
 
 
 def test_may_vary_between_runs_only_for_gpu_scatters_without_the_determinism_flags(monkeypatch):
@@ -137,7 +153,7 @@ def test_the_spread_judge_runs_the_original_again_and_decides_by_its_own_differe
     assert o._second_reference_inputs(entry, (x,), {}) is None  # CPU: no atomic scatters
     monkeypatch.setattr(first_step, "may_vary_between_runs", lambda text, platform: True)
     again = o._second_reference_inputs(entry, (x,), {})
-    assert again is not None
+    assert again is not None and len(again) == first_step.SPREAD_REPEATS
 
     exact = f(x)
     ulp = jnp.nextafter(exact[0], jnp.inf)
@@ -146,10 +162,52 @@ def test_the_spread_judge_runs_the_original_again_and_decides_by_its_own_differe
 
     first = (ulp, exact[1])  # a first run one ulp off, as an atomic scatter's would be
     bad, words = o._judged_by_spread(first, o._second_reference_inputs(entry, (x,), {}), exact, ["x"])
-    assert bad == [] and "differs between two runs" in words
+    assert bad == [] and "differs between 2 runs" in words
     far = (exact[0] + 1.0, exact[1])
     bad, _ = o._judged_by_spread(first, o._second_reference_inputs(entry, (x,), {}), far, ["x"])
     assert bad and "above 4x" in bad[0]
     other = (exact[0], exact[1] + 1)  # a leaf both runs agree on
     bad, _ = o._judged_by_spread(first, o._second_reference_inputs(entry, (x,), {}), other, ["x"])
     assert bad and "agree bitwise" in bad[0]
+
+
+def test_the_spread_judge_runs_the_original_a_third_time_only_where_two_runs_fail(monkeypatch):
+    """A repeat that happens to vary little is no bar to fall back on: where ours is beyond 4x
+    the first repeat's difference, the original runs once more and the widest pair decides;
+    where two runs already pass, no third run is made. The original stands in for a GPU step
+    with atomic scatters: its runs here differ by a chosen number of ulps."""
+    from concerto_jax.first_step_policy import StepEntry
+
+    f = jax.jit(lambda x: x * 3.0)
+    o = _optimized(f)
+    x = jnp.linspace(1.0, 2.0, 8)
+    exact = f(x)
+    entry = StepEntry(runner=None, report=None, captured="%s = f32[8]{0} scatter(...)", tolerance=0.0)
+    monkeypatch.setattr(first_step, "may_vary_between_runs", lambda text, platform: True)
+
+    def ulps(n):
+        y = exact
+        for _ in range(n):
+            y = jnp.nextafter(y, jnp.inf)
+        return y
+
+    def original_whose_runs_move_by(*offsets):
+        calls = []
+
+        def run(v):
+            calls.append(v)
+            return ulps(offsets[len(calls) - 1])
+        return run, calls
+
+    # repeats 1 ulp then 4 ulps from the reference: ours 6 ulps off passes on the third run
+    o._fn, calls = original_whose_runs_move_by(1, 4)
+    bad, words = o._judged_by_spread(exact, o._second_reference_inputs(entry, (x,), {}), ulps(6), ["x"])
+    assert bad == [] and len(calls) == 2 and "between 3 runs" in words
+    # ours 3 ulps off passes on the first repeat alone: no third run
+    o._fn, calls = original_whose_runs_move_by(1, 4)
+    bad, words = o._judged_by_spread(exact, o._second_reference_inputs(entry, (x,), {}), ulps(3), ["x"])
+    assert bad == [] and len(calls) == 1 and "between 2 runs" in words
+    # beyond 4x the widest pair of three runs: it stands
+    o._fn, calls = original_whose_runs_move_by(1, 2)
+    bad, _ = o._judged_by_spread(exact, o._second_reference_inputs(entry, (x,), {}), ulps(12), ["x"])
+    assert bad and "above 4x" in bad[0] and "between 3 runs" in bad[-1] and len(calls) == 2
