@@ -50,6 +50,26 @@ def test_a_variant_moves_its_own_figure_of_the_calibrated_model():
     assert h100.options.compute == cal.H200.compute and h100.gpu.name == H100_SXM.name
 
 
+def test_a_figure_set_on_purpose_stays_even_where_it_equals_the_datasheet_default():
+    """A variant (or a user) that sets the launch cost to 2 us, the datasheet default, gets 2 us
+    on an H200, not the calibration's figure; left unnamed, a figure equal to the default is
+    taken as not set and the calibration's stands."""
+    h200 = get_cluster("h200_sxm_8")
+    assert cal.H200.compute.launch_overhead_us != ComputeOptions().launch_overhead_us
+    two_us = ComputeOptions(launch_overhead_us=2.0)
+    named = CostModel(h200, CostOptions(compute=two_us, compute_set=("launch_overhead_us",)))
+    assert named.options.compute == dataclasses.replace(cal.H200.compute, launch_overhead_us=2.0)
+    inferred = CostModel(h200, CostOptions(compute=two_us))
+    assert inferred.options.compute == cal.H200.compute
+    # every envelope variant names what it sets
+    for v in ENVELOPE[1:]:
+        got = v.cost_model(h200).options
+        for name in got.compute_set or ():
+            assert getattr(got.compute, name) == getattr(v.options.compute, name), (v.name, name)
+    with pytest.raises(ValueError, match="not ComputeOptions fields"):
+        CostModel(h200, CostOptions(compute_set=("launch_us",)))
+
+
 def test_reductions_and_convolutions_are_priced_at_their_own_efficiency():
     gpu = get_cluster("h100_sxm_8").gpu_spec
     red, loop = _fusion("reduce"), _fusion("exponential")

@@ -50,8 +50,10 @@ def main() -> int:
     cluster = get_cluster("h200_sxm_8")
     calibrated = calibration.H200.compute.launch_overhead_us  # the H200 nominal model's figure
     figures = sorted({float(x) for x in args.launch_us.split(",")} | {calibrated})
+    # every figure given: none replaced by the calibration's (calibrated=False)
     models = {L: CostModel(cluster, CostOptions(compute=dataclasses.replace(calibration.H200.compute,
-                                                                            launch_overhead_us=L)))
+                                                                            launch_overhead_us=L),
+                                                calibrated=False))
               for L in figures}
     rows = []
     for case, by in measured.items():

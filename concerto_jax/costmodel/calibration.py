@@ -19,6 +19,7 @@ them by default) is added per kernel: its median over the 18 programs.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from concerto_jax.costmodel.compute import ComputeOptions
 from concerto_jax.costmodel.specs import GpuSpec
@@ -85,14 +86,21 @@ def defaults_for(gpu: GpuSpec) -> ComputeOptions:
     return c.compute if c is not None else ComputeOptions()
 
 
-def rebase(compute: ComputeOptions, gpu: GpuSpec) -> ComputeOptions:
-    """``compute`` on ``gpu``: the figures it changed from the datasheet defaults as they are,
-    the others from ``gpu``'s calibration (a plausible-model variant such as "launches at 4 us"
-    changes one figure of whatever model is nominal there)."""
+def rebase(compute: ComputeOptions, gpu: GpuSpec, set_on_purpose: Sequence[str] | None = None) -> ComputeOptions:
+    """``compute`` on ``gpu``: the figures named in ``set_on_purpose`` as they are (None: those
+    that differ from the datasheet defaults), the others from ``gpu``'s calibration (a
+    plausible-model variant such as "launches at 4 us" changes one figure of whatever model is
+    nominal there)."""
     base = defaults_for(gpu)
     if base == ComputeOptions():
         return compute
-    default = ComputeOptions()
-    changed = {f.name: getattr(compute, f.name) for f in dataclasses.fields(ComputeOptions)
-               if getattr(compute, f.name) != getattr(default, f.name)}
+    names = {f.name for f in dataclasses.fields(ComputeOptions)}
+    if set_on_purpose is None:
+        default = ComputeOptions()
+        set_on_purpose = [n for n in names if getattr(compute, n) != getattr(default, n)]
+    unknown = sorted(set(set_on_purpose) - names)
+    if unknown:
+        raise ValueError(f"compute_set names {unknown}, which are not ComputeOptions fields "
+                         f"(expected some of {sorted(names)})")
+    changed = {n: getattr(compute, n) for n in set_on_purpose}
     return dataclasses.replace(base, **changed)

@@ -167,8 +167,10 @@ class Variant:
 
 
 def _opts(compute: Mapping | None = None, collectives: Mapping | None = None, **kw) -> CostOptions:
-    return CostOptions(compute=ComputeOptions(**dict(compute or {})),
-                       collectives=CollectiveOptions(**dict(collectives or {})), **kw)
+    compute = dict(compute or {})
+    return CostOptions(compute=ComputeOptions(**compute),
+                       collectives=CollectiveOptions(**dict(collectives or {})),
+                       compute_set=tuple(compute), **kw)
 
 
 ENVELOPE: tuple[Variant, ...] = (

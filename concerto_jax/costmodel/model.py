@@ -32,14 +32,18 @@ class CostOptions:
       overlap_slowdown: factor by which compute slows while communication is in
         flight (configured, not measured: it needs two GPUs; paper: 1.2).
       calibrated: on a GPU type with measured kernel rates (``costmodel.calibration``), the
-        figures of ``compute`` left at their datasheet defaults take the measured ones; False
-        keeps the datasheet figures there too.
+        figures of ``compute`` not set on purpose take the measured ones; False keeps the
+        datasheet figures there too.
+      compute_set: the names of ``compute``'s figures set on purpose, kept as they are over a
+        calibration (a plausible-model variant's, even where it equals the datasheet default);
+        None: those that differ from the datasheet defaults.
     """
 
     compute: ComputeOptions = ComputeOptions()
     collectives: CollectiveOptions = CollectiveOptions()
     overlap_slowdown: float = DEFAULT_OVERLAP_SLOWDOWN
     calibrated: bool = True
+    compute_set: tuple[str, ...] | None = None
 
 
 class CostModel:
@@ -60,7 +64,8 @@ class CostModel:
         self.store = store
         self.gpu = gpu if gpu is not None else cluster.gpu_spec
         if options.calibrated:
-            options = dataclasses.replace(options, compute=calibration.rebase(options.compute, self.gpu))
+            options = dataclasses.replace(options, compute=calibration.rebase(
+                options.compute, self.gpu, options.compute_set))
         self.options = options
         self.hits = 0
         self.misses = 0
