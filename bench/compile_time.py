@@ -23,8 +23,11 @@ machine in the same run. Stage times are ``TargetResult.seconds`` of the first c
 
 Command line::
 
-    python -m bench.cli compile_time [--layout NAME ...] [--layers 4] [--cpu-case gpt:dp_tp]
-        [--route-case gpt:dp_tp] [--exhaustive] [--out bench/results]
+    python -m bench.cli compile_time [--layout NAME ...] [--layers 4] [--suite-case NAME ...]
+        [--cpu-case gpt:dp_tp] [--route-case gpt:dp_tp] [--exhaustive] [--out bench/results]
+
+``--suite-case`` adds the decompose suite's cases (``bench.suite``, each on its own cluster
+and with its XLA options; ``--suite-case all`` for every one) as compile_for_target rows.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--layout", action="append", choices=sorted(LAYOUTS),
                         help=f"held-out layout compiled for its GPU target (default: {', '.join(DEFAULT_LAYOUTS)})")
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--suite-case", action="append", metavar="NAME",
+                        help="a decompose suite case (bench.suite) compiled for its GPU target; 'all': every one")
     parser.add_argument("--cpu-case", action="append", metavar="MODEL:LAYOUT",
                         help=f"models/ case through optimize on 8 CPU devices (default: {', '.join(DEFAULT_CPU_CASES)})")
     parser.add_argument("--route-case", action="append", metavar="MODEL:LAYOUT",
@@ -88,6 +93,37 @@ def _worker_target(kind: str, layout: str, layers: int, cache_dir: str) -> dict:
         deviceless=concerto_jax.DevicelessOptions(**search)))
     wall = time.perf_counter() - t0
     cm = CostModel(get_cluster(cluster))
+    gain = judge_module(res.stock_final_text, cm).us / judge_module(res.final_text, cm).us
+    return {"wall_s": wall, "hit": "plan_cache" in res.seconds, "gain": gain,
+            "seconds": {k: round(v, 1) for k, v in res.seconds.items()}, "fallback": res.fallback_reason,
+            "cut": list(res.cut)}
+
+
+def _worker_suite(kind: str, name: str, cache_dir: str) -> dict:
+    """A decompose suite case (``bench.suite``) as ``_worker_target`` times a held-out one: its
+    step, cluster and XLA options as ``bench.decompose_bench`` builds them."""
+    import concerto_jax
+    from bench.decompose_bench import _case_step
+    from bench.suite import get_case
+    from concerto_jax.costmodel import CostModel
+    from concerto_jax.deviceless.compile import CompileOptions, compile_lowered, lower_for_target
+    from concerto_jax.judge import judge_module
+
+    case = get_case(name)
+    c, cluster = _case_step(case)
+    xla = dict(case.xla_options)
+    t0 = time.perf_counter()
+    if kind == "stock":
+        compile_lowered(lower_for_target(c.step.trace(c.abstract_state, c.abstract_batch)), cluster,
+                        CompileOptions(extra=tuple(xla.items())))
+        return {"wall_s": time.perf_counter() - t0}
+    search = {"combine_compiles": None, "time_budget_s": None} if kind == "all" else {}
+    res = concerto_jax.compile_for_target(c.step, c.abstract_state, c.abstract_batch, target=case.cluster,
+                                          options=concerto_jax.Options(
+                                              passes=PASSES, target=case.cluster, compiler_options=xla,
+                                              cache_dir=cache_dir, deviceless=concerto_jax.DevicelessOptions(**search)))
+    wall = time.perf_counter() - t0
+    cm = CostModel(cluster)
     gain = judge_module(res.stock_final_text, cm).us / judge_module(res.final_text, cm).us
     return {"wall_s": wall, "hit": "plan_cache" in res.seconds, "gain": gain,
             "seconds": {k: round(v, 1) for k, v in res.seconds.items()}, "fallback": res.fallback_reason,
@@ -197,6 +233,12 @@ def write(rows: list[dict], out: str, command: str, elapsed: float) -> None:
         lines += ["", f"Median first / stock {statistics.median(r['first_over_stock'] for r in ok):.2f}x, "
                       f"median cached / stock {statistics.median(r['cached_over_stock'] for r in ok):.2f}x "
                       f"over {len(ok)} cases."]
+        for group in ("heldout", "suite"):
+            some = [r for r in ok if r["case"].startswith(group + " ")]
+            if some and len(some) < len(ok):
+                lines += [f"{group}: median first / stock "
+                          f"{statistics.median(r['first_over_stock'] for r in some):.2f}x, "
+                          f"largest {max(r['first_over_stock'] for r in some):.2f}x over {len(some)} cases."]
     with open(os.path.join(out, "compile_time.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -204,6 +246,11 @@ def write(rows: list[dict], out: str, command: str, elapsed: float) -> None:
 def run(args, command: str) -> list[dict]:
     rows, t0 = [], time.perf_counter()
     cases = [] if args.no_target else [("target", layout) for layout in (args.layout or DEFAULT_LAYOUTS)]
+    if args.suite_case:
+        from bench.suite import SUITE, get_case
+
+        names = [c.name for c in SUITE] if "all" in args.suite_case else [get_case(n).name for n in args.suite_case]
+        cases += [("suite", n) for n in names]
     if not args.no_cpu:
         cases += [("optimize", c) for c in (args.cpu_case or DEFAULT_CPU_CASES)]
         cases += [("route", c) for c in (args.route_case or DEFAULT_ROUTE_CASES)]
@@ -212,14 +259,18 @@ def run(args, command: str) -> list[dict]:
             def worker_args(kind, cache_dir, name=name):
                 return ("target", kind, name, str(args.layers), cache_dir)
             label = f"heldout {name} ({args.layers} layers)"
+        elif entry == "suite":
+            def worker_args(kind, cache_dir, name=name):
+                return ("suite", kind, name, cache_dir)
+            label = f"suite {name}"
         else:
             def worker_args(kind, cache_dir, name=name, entry=entry):
                 return (entry, kind, name, cache_dir)
             label = f"{name} tiny, 8 CPU devices" + (", GPU route rehearsed" if entry == "route" else "")
         try:
-            rows.append(_row(label, {"target": "compile_for_target", "optimize": "optimize",
-                                     "route": "optimize (GPU route)"}[entry], worker_args,
-                             exhaustive=args.exhaustive and entry == "target"))
+            rows.append(_row(label, {"target": "compile_for_target", "suite": "compile_for_target",
+                                     "optimize": "optimize", "route": "optimize (GPU route)"}[entry],
+                             worker_args, exhaustive=args.exhaustive and entry in ("target", "suite")))
         except Exception as e:  # noqa: BLE001 - one broken case must not lose the others
             log.exception("%s failed", label)
             rows.append({"case": label, "status": f"error: {type(e).__name__}: {str(e)[:200]}"})
@@ -232,8 +283,12 @@ def main(argv=None) -> int:
     if argv[:1] == ["--worker"]:
         logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
         kind, rest = argv[1], argv[2:]
-        out = _worker_target(rest[0], rest[1], int(rest[2]), rest[3]) if kind == "target" else \
-            _worker_cpu(rest[0], rest[1], rest[2], rehearse=kind == "route")
+        if kind == "target":
+            out = _worker_target(rest[0], rest[1], int(rest[2]), rest[3])
+        elif kind == "suite":
+            out = _worker_suite(rest[0], rest[1], rest[2])
+        else:
+            out = _worker_cpu(rest[0], rest[1], rest[2], rehearse=kind == "route")
         print(json.dumps(out))
         return 0
     import argparse
