@@ -119,6 +119,30 @@ def test_softmax_on_2d_mesh_matches_bitwise():
     assert_tree_bitwise(out, step(w, x))
 
 
+def test_bf16_softmax_on_2d_mesh_matches_bitwise():
+    """A bf16 softmax (as Hugging Face's and MaxText's attention compute it): XLA:CPU widens its
+    divide to f32 before the divide-by-broadcast rule, so our compensation must leave it alone;
+    rewritten in bf16 the reciprocal was rounded once more and the step differed."""
+    mesh = _mesh((2, 4), ("dp", "tp"))
+
+    def loss(w, x):
+        s = jnp.einsum("bqd,dhk->bhqk", x, w)
+        s = jax.lax.with_sharding_constraint(s, NamedSharding(mesh, P("dp", "tp")))
+        p = jax.nn.softmax(s, axis=-1)
+        return (p.astype(jnp.float32) ** 2).sum()
+
+    step = jax.jit(jax.value_and_grad(loss))
+    rng = np.random.default_rng(0)
+    w = jax.device_put(jnp.asarray(rng.standard_normal((16, 8, 32)), jnp.bfloat16),
+                       NamedSharding(mesh, P(None, "tp")))
+    x = jax.device_put(jnp.asarray(rng.standard_normal((4, 32, 16)), jnp.bfloat16),
+                       NamedSharding(mesh, P("dp")))
+    opt, out = _optimized(step, w, x)
+    # The premise: a bf16 divide in the captured module.
+    assert re.search(r"= bf16\[[^\]]*\]\S* divide\(", opt.hlo_texts()[0])
+    assert_tree_bitwise(out, step(w, x))
+
+
 _DIV = """HloModule m
 
 ENTRY %e (p: f32[4,8], s: f32[4]) -> (f32[4,8], f32[4,8], f32[4,8]) {
@@ -153,6 +177,8 @@ def test_cpu_divide_by_broadcast_only_single_use_divisors():
     assert recip3.operands[1].opcode == "reshape" and recip3.operands[1].operands[0].name == "c2"
     parse_with_xla(compensate_round_trip(_DIV, "cpu"))
     assert compensate_round_trip(_DIV, "gpu") == _DIV
+    # bf16 divides: XLA:CPU widens them to f32 before its rule; left alone
+    assert cpu_divide_by_broadcast(hlo_passes.parse_module(_DIV.replace("f32", "bf16"))) == 0
 
 
 _MIXED_DOT = """HloModule m
