@@ -18,6 +18,13 @@ Per class it reports the error before (the shipped defaults) and after, on both 
 error of the class's summed time and the median per-kernel relative error. Per case it reports
 the step's time outside its kernels (gaps: launches, synchronisation), per kernel launched.
 
+Whole steps, two ways of charging the time outside kernels (D52): all of it per kernel
+(``--per-kernel-only-us``, the H200 figure before D52: 5.7 us), or a marginal cost per kernel
+(``--launch-us``, 2.5 us: the figure at which the model with this time per step reproduces the
+compute a split adds, measured through two compiles each, ``split-model/``) and a time per step, fitted here: the
+median, over the programs timed with XLA's defaults, of the measured step less the model's
+price of its kernels at the marginal cost (``step_overhead_us``).
+
 Writes ``fit.csv``, ``fit_steps.csv`` and ``fit.md`` beside the input. Everything it reads was
 measured on the GPU named in the run's ``checks.md``; the fit itself is arithmetic here.
 """
@@ -123,6 +130,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run_dirs", nargs="+", help="gpu_check output directories (kernels.csv, calibration.csv)")
     ap.add_argument("--out", help="where fit.csv, fit_steps.csv and fit.md go (default: the first run)")
+    ap.add_argument("--launch-us", type=float, default=2.5,
+                    help="marginal cost per kernel of the two-term step model (the split probe's figure)")
+    ap.add_argument("--per-kernel-only-us", type=float, default=5.7,
+                    help="cost per kernel of the model that charges all outside time per kernel")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     kernels, steps = load(args.run_dirs)
@@ -148,17 +159,30 @@ def main(argv=None) -> int:
     shipped = calibration.H200.compute
     shipped_eff = {"matmul": shipped.matmul_efficiency, "convolution": shipped.convolution_efficiency,
                    "reduction": shipped.reduction_efficiency}
-    step_rows = []
+
+    def priced(ks, launch_us: float) -> float:
+        """The measured kernels of one program priced at the shipped efficiencies and
+        ``launch_us`` per kernel the model counts, every execution."""
+        return sum((model_us(r, shipped_eff.get(r["group"]) or shipped.memory_efficiency, 0.0)
+                    + launch_us * max(r["model_kernels"], 1)) * r["executions"] for r in ks)
+
+    programs = []
     for s in steps:
         ks = [r for r in kernels if r["case"] == s["case"] and r["program"] == s["program"]]
-        # the step as the shipped H200 figures price its measured kernels (their per-kernel cost
-        # includes the time outside kernels), against the step timed with XLA's defaults
-        priced = sum(model_us(r, shipped_eff.get(r["group"]) or shipped.memory_efficiency, 0.0)
-                     + shipped.launch_overhead_us * max(r["model_kernels"], 1) for r in ks)
+        cmdbuf = float(s["measured_step_cmdbuf_us"]) if s.get("measured_step_cmdbuf_us") else None
+        programs.append((s, ks, cmdbuf))
+    with_cmdbuf = [(ks, c) for _, ks, c in programs if c is not None]
+    step_term = statistics.median(c - priced(ks, args.launch_us) for ks, c in with_cmdbuf) if with_cmdbuf else math.nan
+    log.info("two-term step model: %.1f us per kernel and %.1f us per step", args.launch_us, step_term)
+
+    def error(pred: float, cmdbuf: float | None):
+        return round((pred - cmdbuf) / cmdbuf, 3) if cmdbuf else ""
+
+    step_rows = []
+    for s, ks, cmdbuf in programs:
         launched = sum(r["launches"] for r in ks)
         busy = sum(r["measured_us"] for r in ks)
         step = float(s["measured_step_us"])
-        cmdbuf = float(s["measured_step_cmdbuf_us"]) if s.get("measured_step_cmdbuf_us") else None
         step_rows.append({"case": s["case"], "program": s["program"], "measured_step_us": step,
                           "kernel_sum_us": round(busy, 1), "kernels": launched,
                           "outside_kernels_us": round(step - busy, 1),
@@ -167,9 +191,14 @@ def main(argv=None) -> int:
                           "measured_step_cmdbuf_us": cmdbuf if cmdbuf is not None else "",
                           "outside_per_kernel_cmdbuf_us": (round((cmdbuf - busy) / launched, 2)
                                                            if cmdbuf is not None and launched else ""),
-                          "datasheet_error": (round((float(s["predicted_step_us"]) - cmdbuf) / cmdbuf, 3)
-                                              if cmdbuf else ""),
-                          "shipped_h200_error": round((priced - cmdbuf) / cmdbuf, 3) if cmdbuf else ""})
+                          "datasheet_error": error(float(s["predicted_step_us"]), cmdbuf),
+                          # all outside time per kernel (the H200 figures before D52)
+                          "per_kernel_only_error": error(priced(ks, args.per_kernel_only_us), cmdbuf),
+                          # marginal per kernel + this fit's time per step
+                          "two_term_error": error(priced(ks, args.launch_us) + step_term, cmdbuf),
+                          # the shipped H200 figures (costmodel.calibration.H200)
+                          "shipped_h200_error": error(priced(ks, shipped.launch_overhead_us)
+                                                      + shipped.step_overhead_us, cmdbuf)})
     d = args.out or args.run_dirs[0]
     os.makedirs(d, exist_ok=True)
     cols = list(out_rows[0])
@@ -192,17 +221,26 @@ def main(argv=None) -> int:
             f.write("| " + " | ".join(str(r[c]) for c in cols) + " |\n")
         f.write("\n## Whole steps: time outside kernels; the model's error before and with the shipped H200 "
                 "figures\n\nKernels timed with XLA's command buffers off; the step also with them on "
-                "(`measured_step_cmdbuf_us`, XLA's default), against which both errors are taken: "
-                "`datasheet_error` the run's own prediction, `shipped_h200_error` the measured kernels "
-                "re-priced by `costmodel.calibration.H200`.\n\n")
+                "(`measured_step_cmdbuf_us`, XLA's default), against which every error is taken: "
+                "`datasheet_error` the run's own prediction; the measured kernels re-priced at the H200 "
+                f"efficiencies with `per_kernel_only_error` {args.per_kernel_only_us:g} us per kernel, "
+                f"`two_term_error` {args.launch_us:g} us per kernel and {step_term:.1f} us per step "
+                "(this fit), `shipped_h200_error` the figures of `costmodel.calibration.H200`.\n\n")
         sc = list(step_rows[0])
         f.write("| " + " | ".join(sc) + " |\n|" + "---|" * len(sc) + "\n")
         for r in step_rows:
             f.write("| " + " | ".join(str(r[c]) for c in sc) + " |\n")
         f.write(f"\nMedian time outside kernels per kernel launched: {statistics.median(per_kernel):.2f} us\n")
-        with_cmdbuf = [r["outside_per_kernel_cmdbuf_us"] for r in step_rows if r["outside_per_kernel_cmdbuf_us"] != ""]
-        if with_cmdbuf:
-            f.write(f"With XLA's command buffers on (its default): {statistics.median(with_cmdbuf):.2f} us\n")
+        per_kernel_cmdbuf = [r["outside_per_kernel_cmdbuf_us"] for r in step_rows
+                             if r["outside_per_kernel_cmdbuf_us"] != ""]
+        if per_kernel_cmdbuf:
+            f.write(f"With XLA's command buffers on (its default): {statistics.median(per_kernel_cmdbuf):.2f} us\n")
+            f.write(f"\nTwo-term step model: {args.launch_us:g} us per kernel and **{step_term:.1f} us per step** "
+                    "(the median of the measured steps less their kernels' price at that marginal cost). "
+                    "Median |error| over the programs: "
+                    + ", ".join(f"{k} {statistics.median(abs(r[k]) for r in step_rows if r[k] != ''):.3f}"
+                                for k in ("datasheet_error", "per_kernel_only_error", "two_term_error",
+                                          "shipped_h200_error")) + "\n")
     log.info("wrote %s", os.path.join(d, "fit.md"))
     return 0
 

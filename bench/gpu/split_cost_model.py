@@ -29,10 +29,11 @@ def main() -> int:
     ap.add_argument("runs", nargs="+")
     ap.add_argument("--out", required=True)
     ap.add_argument("--prepared", default=".gpu_prepared")
-    ap.add_argument("--launch-us", default="1.5,2.5,3.0,4.0",
-                    help="per-kernel figures (us) besides the H200 calibration's own, which is always "
-                         "judged; not 2.0, the datasheet default, which the calibration replaces by its "
-                         "own (costmodel.calibration.rebase)")
+    ap.add_argument("--launch-us", default="1.5,2.5,3.0,4.0,5.7",
+                    help="per-kernel figures (us) besides the H200 calibration's own, which is always judged")
+    ap.add_argument("--step-us", type=float, default=None,
+                    help="time per step outside kernels (default: the H200 calibration's, "
+                         "ComputeOptions.step_overhead_us); 0: none, as before D52")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -51,9 +52,9 @@ def main() -> int:
     calibrated = calibration.H200.compute.launch_overhead_us  # the H200 nominal model's figure
     figures = sorted({float(x) for x in args.launch_us.split(",")} | {calibrated})
     # every figure given: none replaced by the calibration's (calibrated=False)
-    models = {L: CostModel(cluster, CostOptions(compute=dataclasses.replace(calibration.H200.compute,
-                                                                            launch_overhead_us=L),
-                                                calibrated=False))
+    step_us = calibration.H200.compute.step_overhead_us if args.step_us is None else args.step_us
+    models = {L: CostModel(cluster, CostOptions(compute=dataclasses.replace(
+        calibration.H200.compute, launch_overhead_us=L, step_overhead_us=step_us), calibrated=False))
               for L in figures}
     rows = []
     for case, by in measured.items():
@@ -91,7 +92,8 @@ def main() -> int:
     write_csv(os.path.join(args.out, "split_cost_model.csv"), rows, cols)
     with open(os.path.join(args.out, "split_cost_model.md"), "w") as f:
         f.write("# A split's compute cost: measured on an H200 against the cost model "
-                "(H200 kernel rates, per-kernel figure varied)\n\n" + markdown_table(rows, cols) + "\n")
+                f"(H200 kernel rates, per-kernel figure varied, {step_us:g} us per step)\n\n"
+                + markdown_table(rows, cols) + "\n")
     return 0
 
 

@@ -114,6 +114,10 @@ class ComputeOptions:
         or fusion with a ``reduce``: XLA's reduction emitter); None: ``memory_efficiency``.
       convolution_efficiency: achieved fraction of tensor-core peak of a convolution (cuDNN);
         None: ``matmul_efficiency``.
+      step_overhead_us: time a step takes beyond its kernels that does not grow with their
+        number (host dispatch, command-buffer and synchronisation gaps), added once per step
+        (the entry computation's time, ``judge``); it moves no decision, only whole-step times
+        and the ratios between them. 0 by default; fitted where a GPU type is calibrated.
 
     The defaults are configured figures; ``costmodel.calibration`` holds figures fitted to
     kernels measured on a GPU type, the defaults there.
@@ -125,6 +129,7 @@ class ComputeOptions:
     highest_precision_f32_dots: bool = False
     reduction_efficiency: float | None = None
     convolution_efficiency: float | None = None
+    step_overhead_us: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -98,7 +98,8 @@ def measure(final_text: str, stock_text: str, cost_model, planned_text: str | No
         plan = judge_graph(built.graph, planned_events(built.graph, built.events), sim=opts).sim
         overlap = dict(final.overlap)
         overlap[entry] = overlap_by_collective(built.graph, plan)
-        planned = dataclasses.replace(final, us=plan.step_time_us, overlap=overlap)
+        planned = dataclasses.replace(final, us=plan.step_time_us + cost_model.options.compute.step_overhead_us,
+                                      overlap=overlap)
     kept, planned_ov = overlap_kept(planned, final)
     return Fidelity(round(planned.us, 1), round(final.us, 1), round(stock.us, 1),
                     round(planned_ov, 1), round(kept * planned_ov, 1),

@@ -85,7 +85,7 @@ def step_us_parsed(module, cost_model, infos, *, check: bool = False) -> float:
         hg = build_taskgraph(module, cost_model, computation=comp, nested_us=control_flow_durations(comp, own),
                              infos=infos, check=check)
         own[comp.name] = judge_graph(hg.graph, hg.events, sim=sim_opts).sim.step_time_us
-    return own[comps[-1].name]
+    return own[comps[-1].name] + cost_model.options.compute.step_overhead_us
 
 
 def judge_module(text: str, cost_model) -> Judged:
@@ -121,5 +121,6 @@ def judge_parsed(module, cost_model) -> Judged:
     entry = comps[-1].name
     compute = sum(runs.get(c, 0) * w[0] for c, w in own_work.items())
     comm = sum(runs.get(c, 0) * w[1] for c, w in own_work.items())
-    return Judged(times["own"][entry], times["bound"][entry], len(comps), loops, n_coll, n_loop_coll,
+    step = cost_model.options.compute.step_overhead_us  # once per step (ComputeOptions)
+    return Judged(times["own"][entry] + step, times["bound"][entry] + step, len(comps), loops, n_coll, n_loop_coll,
                   overlap, runs, dict(times["own"]), compute_us=compute, comm_us=comm)
