@@ -18,8 +18,9 @@ cached one. Stock XLA and ours are XLA's final modules, judged by one simulator 
   ``get_functional_train_with_signature(train.train_step)``, jitted and compiled under
   ``jax.set_mesh`` and the logical axis rules), one change: MaxText's ``create_device_mesh``
   gets the target's deviceless devices (``concerto_jax.target_mesh``) instead of
-  ``jax.devices()``. Dense llama2 blocks (FSDP, FSDP x TP, TP; scanned and unrolled; full
-  remat; bf16 compute on f32 weights) and a mixtral block with expert parallelism (once more
+  ``jax.devices()``. Dense llama2 blocks (FSDP, FSDP x TP, TP, FSDP x context parallel;
+  scanned and unrolled; full remat and two lighter policies, a case's own MaxText keys in
+  ``CASES``' ``"maxtext"``; bf16 compute on f32 weights) and a mixtral block with expert parallelism (once more
   with a case's own options, ``CASES``' ``"options"``: decompose in the entry computation only
   and the threshold searches unbounded; and through ``optimize`` on 8 CPU devices with
   decompose's contexts forced). The ``decompose`` column: the rewrite guard's decision on the
@@ -71,6 +72,16 @@ CASES: dict[str, tuple[str, str, dict]] = {
     "maxtext llama2 fsdp2 x tp4 scan": ("maxtext", "target", {"block": "llama2", "fsdp": 2, "tensor": 4, "scan": True}),
     "maxtext llama2 tp8 scan": ("maxtext", "target", {"block": "llama2", "fsdp": 1, "tensor": 8, "scan": True}),
     "maxtext llama2 tp8 unrolled": ("maxtext", "target", {"block": "llama2", "fsdp": 1, "tensor": 8, "scan": False}),
+    # remat policies other than MaxText's default "full": "minimal" saves every matmul output
+    # but the MLP's, so the backward recomputes less and overlaps differently
+    "maxtext llama2 fsdp8 scan, remat minimal": ("maxtext", "target", {
+        "block": "llama2", "fsdp": 8, "tensor": 1, "scan": True, "maxtext": {"remat_policy": "minimal"}}),
+    "maxtext llama2 tp8 unrolled, remat save_dot_except_mlp": ("maxtext", "target", {
+        "block": "llama2", "fsdp": 1, "tensor": 8, "scan": False, "maxtext": {"remat_policy": "save_dot_except_mlp"}}),
+    # context parallelism (MaxText's default strategy: the keys and values all-gathered along
+    # the sequence), FSDP 4 x context 2
+    "maxtext llama2 fsdp4 x cp2 scan, context parallel": ("maxtext", "target", {
+        "block": "llama2", "fsdp": 4, "tensor": 1, "scan": True, "maxtext": {"ici_context_parallelism": 2}}),
     "maxtext mixtral 8 experts, ep8 scan": ("maxtext", "target", {"block": "mixtral", "expert": 8, "fsdp": 1, "tensor": 1,
                                                                   "scan": True}),
     # the same step with two user options: decompose in the entry computation only
@@ -190,6 +201,7 @@ def _maxtext_step(settings: dict, emb: int, layers: int, seq: int, devices=None)
         "weight_dtype": "float32", "remat_policy": "full", "steps": 10,
         "ici_fsdp_parallelism": settings.get("fsdp", 1), "ici_tensor_parallelism": settings.get("tensor", 1),
     }
+    overrides.update(settings.get("maxtext", {}))  # a case's own MaxText keys (remat policy, parallelism)
     if settings["block"] == "mixtral":
         overrides.update(num_experts=settings["expert"], num_experts_per_tok=2, base_moe_mlp_dim=2 * emb,
                          ici_expert_parallelism=settings["expert"])
@@ -227,7 +239,10 @@ def _maxtext_step(settings: dict, emb: int, layers: int, seq: int, devices=None)
                        donate_argnums=donate_argnums)
     import maxtext
     desc = (f"MaxText {getattr(maxtext, '__version__', '?')} {settings['block']} d{emb} L{layers} seq{seq}, "
-            f"mesh {dict((k, v) for k, v in mesh.shape.items() if v > 1)}")
+            f"mesh {dict((k, v) for k, v in mesh.shape.items() if v > 1)}"
+            + (f", remat {config.remat_policy}" if config.remat_policy != "full" else "")
+            + (f", context parallel {config.context_parallel_strategy}"
+               if int(getattr(config, "ici_context_parallelism", 1)) > 1 else ""))
     return step, shaped_args, shaped_kwargs, contexts, desc
 
 
