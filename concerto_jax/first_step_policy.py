@@ -179,9 +179,10 @@ class FirstStepPolicy:
         (some process found a difference) and all take the same runs and must agree. Returns
         the differences that stand and the report's words (empty where the original
         reproduced itself)."""
-        runs, spread_bad, words = [reference], list(bad), ""
+        runs, spread_bad, words, more = [reference], list(bad), "", False
         for i, inputs in enumerate(again):
-            if i and (multiprocess.all_succeeded(not spread_bad)
+            # another run only where some process's spread judge failed, and all have its copy
+            if i and (multiprocess.all_succeeded(not more)
                       or not multiprocess.all_succeeded(len(again) > i)):
                 break
             run = self._fn(*inputs[0], **inputs[1])  # every process runs it (one SPMD program)
@@ -189,10 +190,11 @@ class FirstStepPolicy:
             runs.append(run)
             reproduced = all(not first_step.differences(reference, r, 0.0, limit=1) for r in runs[1:])
             if got is None or reproduced:
-                spread_bad, words = list(bad), ""  # reproduced here: the bitwise verdict stands
+                # reproduced here (or ours did not run): the bitwise verdict stands
+                spread_bad, words, more = list(bad), "", False
             else:
                 ok, found, words = first_step.within_spread(runs, got)
-                spread_bad = found + [f"({words})"] if not ok else []
+                spread_bad, more = (found + [f"({words})"] if not ok else []), not ok
         if not multiprocess.all_succeeded(not spread_bad):
             return spread_bad or ["another process found a difference beyond the spread"], ""
         return [], words

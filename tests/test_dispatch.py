@@ -207,6 +207,10 @@ def test_the_spread_judge_runs_the_original_a_third_time_only_where_two_runs_fai
     o._fn, calls = original_whose_runs_move_by(1, 4)
     bad, words = o._judged_by_spread(exact, o._second_reference_inputs(entry, (x,), {}), ulps(3), ["x"])
     assert bad == [] and len(calls) == 1 and "between 2 runs" in words
+    # an original that reproduces itself: the bitwise verdict stands, no third run
+    o._fn, calls = original_whose_runs_move_by(0, 4)
+    bad, words = o._judged_by_spread(exact, o._second_reference_inputs(entry, (x,), {}), ulps(1), ["x"])
+    assert bad == ["x"] and words == "" and len(calls) == 1
     # beyond 4x the widest pair of three runs: it stands
     o._fn, calls = original_whose_runs_move_by(1, 2)
     bad, _ = o._judged_by_spread(exact, o._second_reference_inputs(entry, (x,), {}), ulps(12), ["x"])
