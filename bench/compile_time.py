@@ -77,9 +77,8 @@ def add_arguments(parser) -> None:
 def _worker_target(kind: str, layout: str, layers: int, cache_dir: str) -> dict:
     import concerto_jax
     from bench.heldout_target import build
-    from concerto_jax.costmodel import CostModel, get_cluster
+    from concerto_jax.costmodel import get_cluster
     from concerto_jax.deviceless.compile import compile_lowered, lower_for_target
-    from concerto_jax.judge import judge_module
 
     step, params, opt_state, data, cluster = build(layout, layers)
     t0 = time.perf_counter()
@@ -91,8 +90,15 @@ def _worker_target(kind: str, layout: str, layers: int, cache_dir: str) -> dict:
     res = concerto_jax.compile_for_target(step, params, opt_state, data, target=cluster, options=concerto_jax.Options(
         passes=PASSES, target=cluster, cache_dir=cache_dir,
         deviceless=concerto_jax.DevicelessOptions(**search)))
-    wall = time.perf_counter() - t0
-    cm = CostModel(get_cluster(cluster))
+    return _ours(res, get_cluster(cluster), time.perf_counter() - t0)
+
+
+def _ours(res, cluster, wall: float) -> dict:
+    """A worker's record of one ``compile_for_target`` result: wall time, cache hit, gain."""
+    from concerto_jax.costmodel import CostModel
+    from concerto_jax.judge import judge_module
+
+    cm = CostModel(cluster)
     gain = judge_module(res.stock_final_text, cm).us / judge_module(res.final_text, cm).us
     return {"wall_s": wall, "hit": "plan_cache" in res.seconds, "gain": gain,
             "seconds": {k: round(v, 1) for k, v in res.seconds.items()}, "fallback": res.fallback_reason,
@@ -105,9 +111,7 @@ def _worker_suite(kind: str, name: str, cache_dir: str) -> dict:
     import concerto_jax
     from bench.decompose_bench import _case_step
     from bench.suite import get_case
-    from concerto_jax.costmodel import CostModel
     from concerto_jax.deviceless.compile import CompileOptions, compile_lowered, lower_for_target
-    from concerto_jax.judge import judge_module
 
     case = get_case(name)
     c, cluster = _case_step(case)
@@ -122,12 +126,7 @@ def _worker_suite(kind: str, name: str, cache_dir: str) -> dict:
                                           options=concerto_jax.Options(
                                               passes=PASSES, target=case.cluster, compiler_options=xla,
                                               cache_dir=cache_dir, deviceless=concerto_jax.DevicelessOptions(**search)))
-    wall = time.perf_counter() - t0
-    cm = CostModel(cluster)
-    gain = judge_module(res.stock_final_text, cm).us / judge_module(res.final_text, cm).us
-    return {"wall_s": wall, "hit": "plan_cache" in res.seconds, "gain": gain,
-            "seconds": {k: round(v, 1) for k, v in res.seconds.items()}, "fallback": res.fallback_reason,
-            "cut": list(res.cut)}
+    return _ours(res, cluster, time.perf_counter() - t0)
 
 
 def _worker_cpu(kind: str, case_name: str, cache_dir: str, rehearse: bool = False) -> dict:
