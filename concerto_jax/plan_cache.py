@@ -413,17 +413,19 @@ class RouteCache:
 
 def open_route(lowered, options, backend: str) -> RouteCache | None:
     """The plan cache of a GPU-route build of ``lowered`` under ``options`` on ``backend`` (its
-    name), or None where it is off: no cache directory, a pass registered at run time, more than
-    one process (the route's plan is the leader's; not cached there yet), or a step that cannot
-    be keyed."""
-    if jax.process_count() > 1:
-        return None
+    name), or None where it is off: no cache directory, a pass registered at run time, or a step
+    that cannot be keyed. Under ``jax.distributed`` each process keeps its own entry (its
+    executable is for its own devices; the plan in it is the leader's of the build that wrote
+    it): the key names the process and the process count, and a build uses the entries only
+    where every process has one (``gpu_route.route.build``)."""
     try:
         store = _store(options, "GPU route build")
         if store is None:
             return None
         parts = {"program": program_part(lowered), "options": options_part(options),
                  "code": code_part(), "backend": backend}
+        if jax.process_count() > 1:
+            parts["process"] = f"{jax.process_index()} of {jax.process_count()}"
     except Exception as e:  # noqa: BLE001 - no key: build as without a cache
         log.info("plan cache off for this GPU route build (%s: %s)", type(e).__name__, str(e)[:200])
         return None

@@ -8,6 +8,7 @@ fallback, never a crash. What needs a GPU is ``python -m concerto_jax.gpu_check`
 """
 
 import dataclasses
+import shutil
 import types
 import warnings
 
@@ -475,6 +476,29 @@ def test_every_process_runs_the_leaders_module():
         assert r["optimized"] and r["executable"].startswith("backend-only"), r["fallback_reason"]
         assert r["equal"]
     assert reps[0]["handed_digest"] == reps[1]["handed_digest"]
+
+
+@pytest.mark.multiprocess
+def test_a_restarted_multi_process_job_reads_every_process_s_entry(tmp_path):
+    """Under jax.distributed each process stores its own route entry (its executable); a
+    restarted job (the same workers again) reads them in every process, skips the plan and the
+    backend compile, and runs the same module everywhere, bitwise."""
+    first = _mp_reports("--cache-dir", str(tmp_path))
+    again = _mp_reports("--cache-dir", str(tmp_path))
+    for r in first:
+        assert r["optimized"] and r["equal"] and "plan" in r["stages"] and "plan_cache" not in r["stages"], r
+    for r in again:
+        assert r["optimized"] and r["equal"], r["fallback_reason"]
+        assert "plan_cache" in r["stages"] and not {"plan", "backend_compile"} & set(r["stages"]), r["stages"]
+    assert len({r["handed_digest"] for r in first + again}) == 1
+    manifests = list(tmp_path.glob("entries/route/*/*/manifest.json"))
+    assert len(manifests) == 2  # one per process
+    # one process's entry gone: no process uses its own, all build again together
+    shutil.rmtree(manifests[0].parent)
+    third = _mp_reports("--cache-dir", str(tmp_path))
+    for r in third:
+        assert r["optimized"] and r["equal"] and "plan" in r["stages"] and "plan_cache" not in r["stages"], r
+    assert len(list(tmp_path.glob("entries/route/*/*/manifest.json"))) == 2
 
 
 @pytest.mark.multiprocess

@@ -655,11 +655,14 @@ def build(fn, args: tuple, kwargs: dict, options, backend, *, stock: StockCompil
     """Run the route's stages for one signature (``fn`` jitted, ``args``/``kwargs`` as the
     call's). ``stock``: a stock compile of these arguments already made.
 
-    With the plan cache (``Options.cache_dir``, one process; ``plan_cache.open_route``) a build
-    of the same step, options, devices and code reads the plan and our executable stored by an
-    earlier one: the plan, target config and backend compile stages are skipped (the
-    ``plan_cache`` stage instead); the checksum, load, layout check and swap run as always, and
-    an executable they refuse rejects the entry and the step is built again.
+    With the plan cache (``Options.cache_dir``; ``plan_cache.open_route``) a build of the same
+    step, options, devices and code reads the plan and our executable stored by an earlier one:
+    the plan, target config and backend compile stages are skipped (the ``plan_cache`` stage
+    instead); the checksum, load, layout check and swap run as always, and an executable they
+    refuse rejects the entry and the step is built again. Under ``jax.distributed`` each
+    process reads its own entry and the entries are used only where every process has one
+    (else all build, the plan the leader's); the checksum stage then also checks that every
+    process read the same module.
 
     Raises:
       GpuRouteError: a stage failed (on every process alike).
@@ -675,6 +678,8 @@ def build(fn, args: tuple, kwargs: dict, options, backend, *, stock: StockCompil
     devices = stock.device_list
     t0 = time.perf_counter()
     hit = cache.lookup(stock.post_spmd) if cache is not None else None
+    if not multiprocess.all_succeeded(hit is not None):
+        hit = None  # some process has no entry: every process builds (the leader plans)
     if hit is not None:  # the plan and our executable of an earlier build (plan_cache: route)
         seconds["plan_cache"] = time.perf_counter() - t0
         plan, payload = Plan.from_json(hit[0]), Payload(**hit[1])

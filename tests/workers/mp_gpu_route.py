@@ -15,6 +15,7 @@ def main() -> int:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--break-stage", default="", help="make this stage fail ...")
     ap.add_argument("--break-on", type=int, default=-1, help="... in this process")
+    ap.add_argument("--cache-dir", default=None, help="the plan cache (default: off)")
     args = ap.parse_args()
     from concerto_jax.launch import init_worker
 
@@ -51,7 +52,7 @@ def main() -> int:
         setattr(route.CpuRehearsal, attr, boom)
 
     with route.rehearse():
-        opt = concerto_jax.optimize(step, concerto_jax.Options(passes=("schedule",)))
+        opt = concerto_jax.optimize(step, concerto_jax.Options(passes=("schedule",), cache_dir=args.cache_dir))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             got = opt(w, x)
@@ -67,6 +68,7 @@ def main() -> int:
         "fallback_reason": rep.fallback_reason, "equal": bool(equal),
         "warnings": [str(c.message)[:300] for c in caught],
         "handed_digest": hashlib.sha256((handed or "").encode()).hexdigest(),
+        "stages": sorted(rep.stage_seconds or {}),
     }))
     return 0
 
