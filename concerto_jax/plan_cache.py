@@ -33,7 +33,9 @@ Entries (``plan_store``: atomic directories, checksummed blobs):
 Under ``jax.distributed`` every process captures as without a cache; process 0 alone reads and
 writes the cache inside ``multiprocess.leader_decides`` (a hit only if the stored captured
 module is the one it captured), every process verifies a plan that came from the cache, and
-all fall back together if any cannot. Executables are not cached there. A pass registered at
+all fall back together if any cannot. Executables are not cached there. The GPU route's
+entries are per process instead (each holds that process's executable and the leader's plan of
+the build that wrote it), used only where every process has its own. A pass registered at
 run time (not ``hlo_passes.registry.PASS_TABLE``'s own) turns the cache off for that compile.
 """
 
