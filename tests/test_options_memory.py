@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from concerto_jax.scheduler import ScheduleOptions, peak_memory, schedule
-from concerto_jax.scheduler.progress import Progress
+from concerto_jax.scheduler.progress import Progress, StageTimes
 from concerto_jax.simulator import timeline
 from tests.test_scheduler_memory import prefetch_graph
 
@@ -97,6 +97,39 @@ def test_progress_is_quiet_unless_logging_is_on(caplog):
         loud = Progress(log, "work", every_s=0.0)
         assert loud.update(best_makespan_us=12.5, block="1/3")
     assert "work: best_makespan_us 12.5, block 1/3 (elapsed" in caplog.text
+
+
+def test_stage_times_say_each_stage_and_draw_a_bar_only_on_a_terminal(caplog, monkeypatch):
+    """compile_for_target's stage times: a line per finished stage with the call's expected
+    time once known; a bar on stderr only where it is a terminal and not under CI."""
+    import io
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    log = logging.getLogger("concerto_jax.deviceless.test_stages")
+    monkeypatch.delenv("CI", raising=False)
+    tty = Tty()
+    with caplog.at_level(logging.INFO, logger=log.name):
+        st = StageTimes(log, "compile_for_target(h100_sxm_8)", stream=tty,
+                        expect=lambda stage, s: 3.6 * s if stage == "stock_compile" else None)
+        st["lower"] = 0.5
+        st["stock_compile"] = 10.0
+        st["combine_thresholds"] = 7.0
+        st.close()
+    assert dict(st) == {"lower": 0.5, "stock_compile": 10.0, "combine_thresholds": 7.0}
+    assert "compile_for_target(h100_sxm_8): lower 0.5 s (elapsed" in caplog.text
+    assert "combine_thresholds 7.0 s" in caplog.text and "about 36 s in all" in caplog.text
+    drawn = tty.getvalue()
+    assert drawn.count("\r[") == 3 and "of ~36 s" in drawn and drawn.endswith("\n")
+    # not a terminal, or under CI: no bar
+    plain = io.StringIO()
+    StageTimes(log, "x", stream=plain)["lower"] = 1.0
+    monkeypatch.setenv("CI", "true")
+    ci = Tty()
+    StageTimes(log, "x", stream=ci)["lower"] = 1.0
+    assert plain.getvalue() == "" and ci.getvalue() == ""
 
 
 def test_solver_and_odd_even_report_progress(caplog, monkeypatch):

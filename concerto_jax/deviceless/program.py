@@ -48,7 +48,7 @@ from concerto_jax import jax_compat, pipeline, plan_cache
 from concerto_jax.capture import jit_info
 from concerto_jax.costmodel import CostModel, get_cluster
 from concerto_jax.deviceless import combine_search, pjrt_c, planning, rewrite_guard
-from concerto_jax.deviceless.budget import TimeBudget
+from concerto_jax.deviceless.budget import TimeBudget, auto_budget_compiles
 from concerto_jax.deviceless.compile import (
     CompileOptions,
     compile_lowered,
@@ -62,6 +62,7 @@ from concerto_jax.executor import replicated_compile_options
 from concerto_jax.judge.envelope import Envelope
 from concerto_jax.judge.fidelity import measure
 from concerto_jax.options import Options
+from concerto_jax.scheduler.progress import StageTimes
 from hlo_passes.emit import emit_scheduled
 
 log = logging.getLogger(__name__)
@@ -178,6 +179,21 @@ def _pipeline_options(options):
     return dataclasses.replace(options, passes=passes)
 
 
+def _expected_seconds(options: Options):
+    """``StageTimes``' estimate of a ``compile_for_target`` call, known once stock's compile is
+    timed: the compiles its time budget allows at that compile's time ("auto"), or the budget's
+    seconds; None without a bound."""
+    def expect(stage: str, seconds: float) -> float | None:
+        if stage != "stock_compile":
+            return None
+        budget = options.deviceless.time_budget_s
+        if budget == "auto":
+            n = auto_budget_compiles(options)
+            return None if n is None else n * seconds
+        return None if budget is None else float(budget)
+    return expect
+
+
 def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options=None,
                        via: str = "backend_only", guard_rewrites: bool = True,
                        **abstract_kwargs) -> TargetResult:
@@ -232,13 +248,14 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
     cost_model = CostModel(cluster)
     robust = options.deviceless.robust
     envelope = Envelope(cluster, robust) if robust and guard_rewrites else None
-    seconds: dict = {}
+    seconds = StageTimes(log, f"compile_for_target({target})", expect=_expected_seconds(options))
     t0 = t_call = time.perf_counter()
     lowered = lower_for_target(_trace(step, abstract_args, abstract_kwargs))
     seconds["lower"] = time.perf_counter() - t0
     cache = plan_cache.open_target(lowered, cluster, options, via=via, guard_rewrites=guard_rewrites)
     hit = cache.lookup(seconds) if cache is not None else None
     if hit is not None:  # verified: every module parses, the handed one passes the verifier
+        seconds.close()
         return TargetResult(**hit)
     # One XLA kernel cache for every compile of this call (D40): stock's, the rewritten
     # program's, the threshold candidates' and the final one share most kernels.
@@ -307,6 +324,7 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
         via=out.via, input_peak_bytes=out.input_peak_bytes, peak_bytes=out.peak_bytes,
         memory_limit_bytes=out.memory_limit_bytes,
         robust=tuple(envelope.verdicts) if envelope is not None else (), cut=tuple(clock.cut))
+    seconds.close()
     if cache is not None:
         cache.save(result, failed=out.failed)
     return result

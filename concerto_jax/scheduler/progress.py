@@ -1,4 +1,5 @@
-"""Progress lines for long scheduler work (CP-SAT solves, odd-even rounds, fusion, benches).
+"""Progress lines for long scheduler work (CP-SAT solves, odd-even rounds, fusion, benches), and
+the stage times of a long call (``StageTimes``: ``compile_for_target``'s).
 
 A ``Progress`` writes a ``logging`` line at most every ``every_s`` seconds with the
 elapsed time and what the caller reports (best makespan, blocks done...). Through
@@ -10,6 +11,8 @@ logging (the library never adds handlers), while a bench that calls
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import time
 
 from ortools.sat.python import cp_model
@@ -79,3 +82,52 @@ class SolutionProgress(cp_model.CpSolverSolutionCallback):
         self.progress.update(best=f"{self.objective_value * self.scale:.1f}{self.unit}",
                              bound=f"{self.best_objective_bound * self.scale:.1f}{self.unit}",
                              solutions=self.solutions)
+
+
+class StageTimes(dict):
+    """Wall time per stage of a long call (``TargetResult.seconds``) that says each stage as it
+    ends: a ``logging`` line (``level``) with the stage, its time and the call's elapsed time,
+    and, once ``expect`` has a figure, the whole call's expected time; on a terminal (stderr a
+    TTY, no ``CI`` variable) also a one-line bar on stderr, ended by ``close``. Nothing is
+    printed in tests or CI (stderr captured), nothing logged unless the user configured logging.
+
+    Args:
+      logger: where the lines go.
+      what: the call's name at the head of each line.
+      expect: ``expect(stage, seconds)`` after each stage: the whole call's expected seconds, or
+        None (not known yet; the last figure stands).
+      stream: where the bar goes (default ``sys.stderr``; only if it is a TTY).
+    """
+
+    def __init__(self, logger: logging.Logger, what: str, *, expect=None, stream=None,
+                 level: int = logging.INFO):
+        super().__init__()
+        self.logger, self.what, self.expect, self.level = logger, what, expect, level
+        self.t0 = time.perf_counter()
+        self.expected_s: float | None = None
+        stream = sys.stderr if stream is None else stream
+        tty = getattr(stream, "isatty", lambda: False)()
+        self.stream = stream if tty and not os.environ.get("CI") else None
+
+    def __setitem__(self, stage: str, seconds: float) -> None:
+        super().__setitem__(stage, seconds)
+        if self.expect is not None:
+            expected = self.expect(stage, seconds)
+            if expected is not None:
+                self.expected_s = float(expected)
+        elapsed = time.perf_counter() - self.t0
+        about = f", about {self.expected_s:.0f} s in all" if self.expected_s else ""
+        self.logger.log(self.level, "%s: %s %.1f s (elapsed %.1f s%s)", self.what, stage, seconds, elapsed, about)
+        if self.stream is not None:
+            frac = min(elapsed / self.expected_s, 0.99) if self.expected_s else 0.0
+            bar = "#" * int(20 * frac) + "-" * (20 - int(20 * frac))
+            total = f" of ~{self.expected_s:.0f} s" if self.expected_s else ""
+            self.stream.write(f"\r[{bar}] {self.what}: {stage} done, {elapsed:.0f} s{total}\033[K")
+            self.stream.flush()
+
+    def close(self) -> None:
+        """Ends the bar's line (on a terminal)."""
+        if self.stream is not None:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.stream = None
