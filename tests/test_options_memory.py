@@ -112,9 +112,9 @@ def test_stage_times_say_each_stage_and_draw_a_bar_only_on_a_terminal(caplog, mo
     monkeypatch.delenv("CI", raising=False)
     tty = Tty()
     with caplog.at_level(logging.INFO, logger=log.name):
-        st = StageTimes(log, "compile_for_target(h100_sxm_8)", stream=tty,
-                        expect=lambda stage, s: 3.6 * s if stage == "stock_compile" else None)
+        st = StageTimes(log, "compile_for_target(h100_sxm_8)", stream=tty)
         st["lower"] = 0.5
+        st.expected_s = 36.0  # compile_for_target: the time budget's, once stock's compile is timed
         st["stock_compile"] = 10.0
         st["combine_thresholds"] = 7.0
         st.close()
@@ -130,6 +130,19 @@ def test_stage_times_say_each_stage_and_draw_a_bar_only_on_a_terminal(caplog, mo
     ci = Tty()
     StageTimes(log, "x", stream=ci)["lower"] = 1.0
     assert plain.getvalue() == "" and ci.getvalue() == ""
+
+
+def test_the_time_budget_gives_the_calls_expected_seconds():
+    """``TimeBudget.total_s``, the stage lines' estimate: "auto" its compiles at stock's compile
+    time, a budget in seconds itself, no budget none."""
+    from concerto_jax.deviceless.budget import TimeBudget, auto_budget_compiles
+    from concerto_jax.options import DevicelessOptions, Options
+
+    auto = Options()
+    assert TimeBudget.start(auto, 100.0, 10.0).total_s(100.0) == pytest.approx(10.0 * auto_budget_compiles(auto))
+    seconds = Options(deviceless=DevicelessOptions(time_budget_s=90.0))
+    assert TimeBudget.start(seconds, 100.0, 10.0).total_s(100.0) == pytest.approx(90.0)
+    assert TimeBudget.start(Options(deviceless=DevicelessOptions(time_budget_s=None)), 100.0, 10.0).total_s(100.0) is None
 
 
 def test_solver_and_odd_even_report_progress(caplog, monkeypatch):

@@ -79,6 +79,13 @@ class TimeBudget:
                        search_compiles=None if n is None else n - 1.0)
         return cls(t0 + float(b), stock_compile_s, spent=1.0)
 
+    def total_s(self, t0: float) -> float | None:
+        """The whole call's expected seconds for a call that began at ``t0``: the compiles "auto"
+        allows at stock's compile time, or a budget in seconds; None without a bound."""
+        if self.compiles is not None:
+            return self.compiles * self.compile_s
+        return None if self.deadline is None else self.deadline - t0
+
     def left(self) -> float:
         """Seconds left of a budget in seconds (inf otherwise)."""
         return float("inf") if self.deadline is None else self.deadline - time.perf_counter()

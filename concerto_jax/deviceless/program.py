@@ -48,7 +48,7 @@ from concerto_jax import jax_compat, pipeline, plan_cache
 from concerto_jax.capture import jit_info
 from concerto_jax.costmodel import CostModel, get_cluster
 from concerto_jax.deviceless import combine_search, pjrt_c, planning, rewrite_guard
-from concerto_jax.deviceless.budget import TimeBudget, auto_budget_compiles
+from concerto_jax.deviceless.budget import TimeBudget
 from concerto_jax.deviceless.compile import (
     CompileOptions,
     compile_lowered,
@@ -179,21 +179,6 @@ def _pipeline_options(options):
     return dataclasses.replace(options, passes=passes)
 
 
-def _expected_seconds(options: Options):
-    """``StageTimes``' estimate of a ``compile_for_target`` call, known once stock's compile is
-    timed: the compiles its time budget allows at that compile's time ("auto"), or the budget's
-    seconds; None without a bound."""
-    def expect(stage: str, seconds: float) -> float | None:
-        if stage != "stock_compile":
-            return None
-        budget = options.deviceless.time_budget_s
-        if budget == "auto":
-            n = auto_budget_compiles(options)
-            return None if n is None else n * seconds
-        return None if budget is None else float(budget)
-    return expect
-
-
 def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options=None,
                        via: str = "backend_only", guard_rewrites: bool = True,
                        **abstract_kwargs) -> TargetResult:
@@ -248,7 +233,7 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
     cost_model = CostModel(cluster)
     robust = options.deviceless.robust
     envelope = Envelope(cluster, robust) if robust and guard_rewrites else None
-    seconds = StageTimes(log, f"compile_for_target({target})", expect=_expected_seconds(options))
+    seconds = StageTimes(log, f"compile_for_target({target})")
     t0 = t_call = time.perf_counter()
     lowered = lower_for_target(_trace(step, abstract_args, abstract_kwargs))
     seconds["lower"] = time.perf_counter() - t0
@@ -263,8 +248,9 @@ def compile_for_target(step, *abstract_args, target: str = "h100_sxm_8", options
         env = own_compile_options(options.compiler_options, kernel_cache=os.path.join(kernels, "kernels.pb"))
         stock = compile_lowered(lowered, cluster, CompileOptions(
             dump_lhs=via == "backend_only", dump_spmd=True, dump_scheduled=via == "backend_only", extra=tuple(env.items())))
-        seconds["stock_compile"] = stock.compile_s
         clock = TimeBudget.start(options, t_call, stock.compile_s)
+        seconds.expected_s = clock.total_s(t_call)  # the progress lines' estimate from here on
+        seconds["stock_compile"] = stock.compile_s
         _check_target_devices(target, devices_of(stock.compiled))
         if stock.post_spmd_text is None:
             raise RuntimeError("XLA wrote no post-SPMD module for the target compile; is XLA_FLAGS "

@@ -87,22 +87,20 @@ class SolutionProgress(cp_model.CpSolverSolutionCallback):
 class StageTimes(dict):
     """Wall time per stage of a long call (``TargetResult.seconds``) that says each stage as it
     ends: a ``logging`` line (``level``) with the stage, its time and the call's elapsed time,
-    and, once ``expect`` has a figure, the whole call's expected time; on a terminal (stderr a
-    TTY, no ``CI`` variable) also a one-line bar on stderr, ended by ``close``. Nothing is
-    printed in tests or CI (stderr captured), nothing logged unless the user configured logging.
+    and, once the caller sets ``expected_s``, the whole call's expected time; on a terminal
+    (stderr a TTY, no ``CI`` variable) also a one-line bar on stderr, ended by ``close``.
+    Nothing is printed in tests or CI (stderr captured), nothing logged unless the user
+    configured logging.
 
     Args:
       logger: where the lines go.
       what: the call's name at the head of each line.
-      expect: ``expect(stage, seconds)`` after each stage: the whole call's expected seconds, or
-        None (not known yet; the last figure stands).
       stream: where the bar goes (default ``sys.stderr``; only if it is a TTY).
     """
 
-    def __init__(self, logger: logging.Logger, what: str, *, expect=None, stream=None,
-                 level: int = logging.INFO):
+    def __init__(self, logger: logging.Logger, what: str, *, stream=None, level: int = logging.INFO):
         super().__init__()
-        self.logger, self.what, self.expect, self.level = logger, what, expect, level
+        self.logger, self.what, self.level = logger, what, level
         self.t0 = time.perf_counter()
         self.expected_s: float | None = None
         stream = sys.stderr if stream is None else stream
@@ -111,10 +109,6 @@ class StageTimes(dict):
 
     def __setitem__(self, stage: str, seconds: float) -> None:
         super().__setitem__(stage, seconds)
-        if self.expect is not None:
-            expected = self.expect(stage, seconds)
-            if expected is not None:
-                self.expected_s = float(expected)
         elapsed = time.perf_counter() - self.t0
         about = f", about {self.expected_s:.0f} s in all" if self.expected_s else ""
         self.logger.log(self.level, "%s: %s %.1f s (elapsed %.1f s%s)", self.what, stage, seconds, elapsed, about)
