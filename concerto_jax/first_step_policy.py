@@ -179,7 +179,7 @@ class FirstStepPolicy:
         (some process found a difference) and all take the same runs and must agree. Returns
         the differences that stand and the report's words (empty where the original
         reproduced itself)."""
-        runs, spread_bad, words, more = [reference], list(bad), "", False
+        runs, spread_bad, words, more, reproduced = [reference], list(bad), "", False, True
         for i, inputs in enumerate(again):
             # another run only where some process's spread judge failed, and all have its copy
             if i and (multiprocess.all_succeeded(not more)
@@ -188,7 +188,7 @@ class FirstStepPolicy:
             run = self._fn(*inputs[0], **inputs[1])  # every process runs it (one SPMD program)
             jax.block_until_ready(run)
             runs.append(run)
-            reproduced = all(not first_step.differences(reference, r, 0.0, limit=1) for r in runs[1:])
+            reproduced = reproduced and not first_step.differences(reference, run, 0.0, limit=1)
             if got is None or reproduced:
                 # reproduced here (or ours did not run): the bitwise verdict stands
                 spread_bad, words, more = list(bad), "", False
