@@ -21,7 +21,7 @@ the step's time outside its kernels (gaps: launches, synchronisation), per kerne
 Whole steps, two ways of charging the time outside kernels (D52): all of it per kernel
 (``--per-kernel-only-us``, the H200 figure before D52: 5.7 us), or a marginal cost per kernel
 (``--launch-us``, 2.5 us: the figure at which the model with this time per step reproduces the
-compute a split adds, measured through two compiles each, ``split-model/``) and a time per step, fitted here: the
+compute a split adds, measured through two compiles each, ``split-model-2/``) and a time per step, fitted here: the
 median, over the programs timed with XLA's defaults, of the measured step less the model's
 price of its kernels at the marginal cost (``step_overhead_us``).
 

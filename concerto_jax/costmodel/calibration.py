@@ -60,7 +60,7 @@ H200 = Calibration(
         memory_efficiency=0.85,       # loop fusions, fixed 1.3 us; copies and the rest
         # the marginal cost of a kernel: the figure at which the model, with the time per step
         # below, reproduces the compute a split adds (split probe, two compiles each, command
-        # buffers on: Evoformer 2.54 us, TP NVLink 2.1 us; D52)
+        # buffers on: Evoformer 2.55 us, TP NVLink 2.07 us; split-model-2/, D52)
         launch_overhead_us=2.5,
         # the rest of a step's time outside its kernels, once per step: the median over the 18
         # programs of the step (XLA's defaults) less its kernels' price at 2.5 us each (D52)
@@ -71,7 +71,7 @@ H200 = Calibration(
               "collectives stood in, 5,474 kernel rows (bench/results/gpu/h200-2026-11-28/calibration-*)"),
     fit=("python -m bench.gpu.fit_calibration calibration-2 calibration-3 calibration-4 calibration-5 "
          "--out fit (fitted on five cases, errors on the four held out: bench/results/gpu/h200-2026-11-28/fit/); "
-         "per kernel: the split probe's figure (bench/results/gpu/h200-2026-11-28/split-model/)"),
+         "per kernel: the split probe's figure (bench/results/gpu/h200-2026-11-28/split-model-2/)"),
     not_modelled=("transposes XLA emits with several outputs (an optimizer's update of a convolution "
                   "kernel stored in another layout) ran 4-6x slower than HBM bandwidth allows; atomic "
                   "scatters 4-8x; the time per step is one figure for every program, where what the measured "

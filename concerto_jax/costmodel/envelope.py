@@ -37,7 +37,8 @@ of any single figure being off by its whole range.
 
 * ``launch_4us`` / ``command_buffer``: 4 µs and 1.5 µs per kernel. What the decisions need is
   the *marginal* cost of a kernel, what one more kernel adds to a step, not the average time a
-  step spends outside its kernels (5.7 µs per kernel on an H200, most of it not per kernel).
+  step spends outside its kernels (5.7 µs per kernel on an H200, most of it not per kernel: the
+  H200 model charges it as 2.5 µs per kernel and a time per step since D52).
   Measured on an H200 (``bench/results/gpu/h200-2026-11-28/split-model/``: the compute a split
   adds, collectives stood in, against this model with the H200's kernel rates): the model
   matches the measurement at 2.0 µs per kernel (Evoformer DAP 8) and 1.7 µs (TP 8 over NVLink)
